@@ -1,0 +1,1 @@
+"""The lattice around one engine: engine client interface, engine loop, the server's HTTP layer."""

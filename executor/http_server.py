@@ -1,0 +1,316 @@
+"""The OpenAI HTTP server of one pool member (ctx or gen): FastAPI routes over an EngineClient.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream and non-stream),
+``GET /v1/models``, ``GET /health``, ``GET /server_info``, ``GET /metrics``, plus whatever the role
+adds (``POST /disagg/release`` on ctx servers). Every error is an OpenAI-style body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import RequestValidationError
+from engine.request import RequestOutput
+from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
+from executor.metrics import ServerMetrics
+from executor.openai_adapter import (
+    Accumulated,
+    BadRequest,
+    check_length,
+    chunk,
+    engine_request,
+    full_response,
+    prompt_token_ids,
+    sampling_params,
+)
+from executor.phases import PhaseAnswer, PhaseError, PhaseHandler
+from pdserve.config import ServerConfig
+from pdserve.config import format_validation_error
+from pdserve.protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    KVLayoutModel,
+    ModelCard,
+    ModelList,
+    error_body,
+    now_s,
+    sse_event,
+)
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its client left
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error body with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status)
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; built by ``executor.server_main`` and owned by the app."""
+
+    config: ServerConfig
+    client: EngineClient
+    handlers: dict[str, PhaseHandler]
+    metrics: ServerMetrics
+    kv_layout: KVLayoutModel
+    kv_backend: str
+    vocab_size: int
+    extra_info: Callable[[], dict] = dict
+    routers: list[APIRouter] = field(default_factory=list)
+    on_shutdown: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
+
+
+def map_error(err: BaseException) -> ApiError:
+    """Translate engine/phase failures into HTTP errors (status + OpenAI error type)."""
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, EngineDeadError):
+        return ApiError(503, str(err), "engine_dead")
+    if isinstance(err, EngineNotServingError):
+        return ApiError(503, str(err), "service_unavailable")
+    if isinstance(err, BadRequest):
+        return ApiError(400, str(err), param=err.param)
+    if isinstance(err, PhaseError):
+        return ApiError(err.status, str(err), err.kind)
+    if isinstance(err, (RequestValidationError, ValueError)):
+        return ApiError(400, str(err))
+    log.exception("internal error", exc_info=err)
+    return ApiError(500, f"internal error: {type(err).__name__}: {err}", "internal_error")
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """Decode and validate a JSON body. Raises ApiError 400 (malformed JSON) or 422 (schema)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"malformed JSON body: {err}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the JSON body must be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise ApiError(422, format_validation_error(err).replace("\n", "; ")) from None
+
+
+def create_server_app(state: ServerState) -> FastAPI:
+    """The FastAPI app of one server. Its lifespan runs ``state.on_shutdown`` at exit."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        for stop in reversed(state.on_shutdown):
+            result = stop()
+            if asyncio.iscoroutine(result):
+                await result
+
+    app = FastAPI(title=f"pdserve {state.config.role} server", lifespan=lifespan)
+    app.state.server = state
+    _install_error_handlers(app)
+    _add_info_routes(app, state)
+    for router in state.routers:
+        app.include_router(router)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(request, state, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(request, state, chat=True)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return ApiError(err.status_code, str(err.detail), "not_found" if err.status_code == 404 else "http_error").response()
+
+    @app.exception_handler(FastAPIValidationError)
+    async def _validation_error(_: Request, err: FastAPIValidationError) -> JSONResponse:
+        return ApiError(422, str(err.errors())).response()
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    cfg = state.config
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        client = state.client
+        if client.state == EngineState.SERVING:
+            return JSONResponse({"status": "ok", "role": cfg.role})
+        reason = client.dead_reason if client.state == EngineState.DEAD else f"engine is {client.state.value}"
+        return ApiError(503, reason or "unavailable", "service_unavailable").response()
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=cfg.model.name, created=now_s(), max_model_len=state.client.max_model_len)])
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        stats = state.client.stats()
+        return {"role": cfg.role, "index": cfg.index, "model": cfg.model.name, "state": state.client.state.value,
+                "kv_layout": state.kv_layout.model_dump(), "kv_backend": state.kv_backend,
+                "max_model_len": state.client.max_model_len, **stats, **state.extra_info()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = state.client.stats()
+        state.metrics.kv_free_blocks.set(stats["free_blocks"])
+        state.metrics.kv_total_blocks.set(stats["total_blocks"])
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
+    body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
+    cfg = state.config
+    if body.model != cfg.model.name:
+        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{cfg.model.name}`",
+                       "model_not_found", "model")
+    disagg = body.disaggregated_params
+    rtype = disagg.request_type if disagg else "context_and_generation"
+    handler = state.handlers.get(rtype)
+    if handler is None:
+        raise ApiError(400, f"this {cfg.role} server does not run {rtype} requests", param="disaggregated_params")
+    if rtype == "context_only" and body.stream:
+        raise ApiError(400, "context_only requests cannot stream", param="stream")
+    try:
+        if rtype == "generation_only":
+            prompt = list(disagg.prompt_token_ids)
+        else:
+            prompt = prompt_token_ids(body, state.client.tokenizer, state.vocab_size)
+        check_length(len(prompt), state.client.max_model_len)
+    except BadRequest as err:
+        raise map_error(err) from None
+    rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
+    ereq = engine_request(rid, prompt, sampling_params(body), disagg)
+    answer = PhaseAnswer()
+    run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer))
+    first = await run.first()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(run.sse(first, include_usage), media_type="text/event-stream")
+    return await run.collect(first, request, answer)
+
+
+class _Run:
+    """One request in flight: its outputs, timing metrics and response shaping."""
+
+    def __init__(self, state: ServerState, rtype: str, chat: bool, model: str,
+                 outputs: AsyncIterator[RequestOutput]) -> None:
+        self.state, self.rtype, self.chat, self.model, self.outputs = state, rtype, chat, model, outputs
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = now_s()
+        self.t_submit = time.perf_counter()
+        self.t_last: float | None = None
+        self.acc = Accumulated()
+
+    async def next(self) -> RequestOutput | None:
+        """The next output, None at the end. Errors are mapped to :class:`ApiError`."""
+        try:
+            out = await self.outputs.__anext__()
+        except StopAsyncIteration:
+            return None
+        except Exception as err:  # noqa: BLE001 - every failure becomes an explicit HTTP error
+            api = map_error(err)
+            self.state.metrics.errors.labels(kind=api.type).inc()
+            self.state.metrics.requests.labels(request_type=self.rtype, outcome="error").inc()
+            raise api from None
+        self._observe(out)
+        return out
+
+    async def first(self) -> RequestOutput:
+        out = await self.next()
+        if out is None:
+            raise ApiError(500, "the engine finished the request without any output", "internal_error")
+        return out
+
+    def _observe(self, out: RequestOutput) -> None:
+        m, now = self.state.metrics, time.perf_counter()
+        if out.new_token_ids:
+            if self.t_last is None:
+                m.ttft.labels(request_type=self.rtype).observe(now - self.t_submit)
+            else:
+                m.tpot.labels(request_type=self.rtype).observe((now - self.t_last) / len(out.new_token_ids))
+            self.t_last = now
+        self.acc.add(out)
+        if out.finished:
+            m.e2e.labels(request_type=self.rtype).observe(now - self.t_submit)
+            m.requests.labels(request_type=self.rtype, outcome=out.finish_reason or "handed_off").inc()
+            m.prompt_tokens.inc(out.num_prompt_tokens)
+            m.generation_tokens.inc(out.num_output_tokens)
+
+    async def collect(self, first: RequestOutput, request: Request, answer: PhaseAnswer) -> Response:
+        """Non-streaming answer; aborts the request if the client disconnects meanwhile."""
+        async def drain() -> None:
+            out = first
+            while out is not None and not out.finished:
+                out = await self.next()
+
+        task = asyncio.create_task(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    log.info("client disconnected; aborted %s", self.id)
+                    return Response(status_code=499)
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            await self.outputs.aclose()
+        body = full_response(self.chat, self.id, self.created, self.model, self.acc, answer.disaggregated_params)
+        data = body.model_dump(mode="json")
+        if answer.disaggregated_params is None:  # the extension field appears only on ctx answers
+            data["choices"][0].pop("disaggregated_params", None)
+        return JSONResponse(data)
+
+    async def sse(self, first: RequestOutput, include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events; an error after the first byte becomes an error event, then [DONE]."""
+        try:
+            out, is_first = first, True
+            while out is not None:
+                if out.new_text or out.finished or is_first:
+                    yield sse_event(chunk(self.chat, self.id, self.created, self.model, out.new_text,
+                                          out.finish_reason if out.finished else None, role=is_first))
+                    is_first = False
+                if out.finished:
+                    break
+                out = await self.next()
+            if include_usage:
+                yield sse_event(chunk(self.chat, self.id, self.created, self.model, None, None, usage=self.acc.usage()))
+        except ApiError as err:
+            yield sse_event(error_body(err.message, err.type, err.status))
+        finally:
+            await self.outputs.aclose()
+        yield SSE_DONE

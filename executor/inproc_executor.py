@@ -1,0 +1,206 @@
+"""An :class:`EngineClient` that runs the engine loop in a thread of the server process.
+
+Threads: the asyncio event loop (HTTP handlers) submits commands through a thread-safe queue; the
+``engine-loop`` thread owns the :class:`engine.llm_engine.LLMEngine` (single-threaded by contract),
+applies the commands between steps and hands each output to the request's asyncio queue with
+``call_soon_threadsafe``. A failure of the loop makes the engine dead for good (sticky): every
+pending request gets :class:`EngineDeadError` at once and new submits are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest, KVPull, RequestOutput
+from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the command queue before re-checking stop
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue living on ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            log.debug("dropping an output for a closed event loop")
+
+
+class InProcessExecutor(EngineClient):
+    """Engine loop in a background thread; owned by the server, stopped by :meth:`shutdown`."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams, _state, _dead_reason
+        self._state = EngineState.STARTING
+        self._dead_reason: str | None = None
+        self._stop = threading.Event()
+        self._stats = self._read_stats()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine loop thread and open the admission gate."""
+        self._thread.start()
+        with self._lock:
+            if self._state == EngineState.STARTING:
+                self._state = EngineState.SERVING
+
+    def drain(self) -> None:
+        with self._lock:
+            if self._state == EngineState.SERVING:
+                self._state = EngineState.DRAINING
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)  # wake the loop
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                log.error("engine loop did not stop within %.1f s", timeout_s)
+        self._die("the server is shutting down", log_error=False)
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def kv_cache(self):
+        return self._engine.kv_cache
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self._engine
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    # ---- requests -------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput | KVPull]:
+        stream = self._register(request)
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if isinstance(item, RequestOutput) and item.finished:
+                    stream.finished = True
+                    yield item
+                    return
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not stream.finished:
+                self.abort(request.request_id)
+
+    def _register(self, request: EngineRequest) -> _Stream:
+        stream = _Stream(loop=asyncio.get_running_loop())
+        # The state check and the registration happen under one lock that _die also takes, so a
+        # request is either refused here or registered before _die fails every registered stream:
+        # there is no window in which it could wait forever on a dead engine.
+        with self._lock:
+            if self._state == EngineState.DEAD:
+                raise EngineDeadError(f"engine is dead: {self._dead_reason}")
+            if self._state != EngineState.SERVING:
+                raise EngineNotServingError(f"engine is {self._state.value}; not admitting new requests")
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            self._streams[request.request_id] = stream
+        self._commands.put(lambda: self._add(request, stream))
+        return stream
+
+    def _add(self, request: EngineRequest, stream: _Stream) -> None:
+        try:
+            self._engine.add_request(request)
+        except ValueError as err:  # RequestValidationError and friends: this request only
+            stream.put(err)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._engine.abort_request(request_id))
+
+    def kv_ready(self, request_id: str, ok: bool) -> None:
+        self._commands.put(lambda: self._engine.kv_ready(request_id, ok))
+
+    def release_parked(self, request_id: str) -> None:
+        self._commands.put(lambda: self._engine.release_parked(request_id))
+
+    # ---- engine loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands(block=not self._engine.has_work())
+                if self._stop.is_set():
+                    break
+                if self._engine.has_work():
+                    result = self._engine.step()
+                    for item in [*result.kv_pulls, *result.outputs]:
+                        self._deliver(item)
+                self._stats = self._read_stats()
+        except Exception as err:  # noqa: BLE001 - any engine failure makes the engine dead for good
+            log.exception("engine loop failed")
+            self._die(f"engine loop failed: {type(err).__name__}: {err}")
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            cmd()
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, item: RequestOutput | KVPull) -> None:
+        with self._lock:
+            stream = self._streams.get(item.request_id)
+        if stream is not None:
+            stream.put(item)
+
+    def _read_stats(self) -> dict[str, int]:
+        e = self._engine
+        return {"free_blocks": e.num_free_blocks, "total_blocks": e.config.num_kv_blocks}
+
+    def _die(self, reason: str, log_error: bool = True) -> None:
+        """Make the engine dead (sticky) and fail every pending request with EngineDeadError."""
+        with self._lock:
+            if self._state != EngineState.DEAD:
+                self._state = EngineState.DEAD
+                self._dead_reason = reason
+                if log_error:
+                    log.error("engine is dead: %s", reason)
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(EngineDeadError(f"engine is dead: {self._dead_reason}"))

@@ -1,0 +1,42 @@
+"""Prometheus metrics of one ctx/gen server (its own registry, served at ``/metrics``).
+
+Names follow the conventions of existing serving stacks (``*_seconds`` histograms, ``*_total``
+counters; TTFT/TPOT as in vLLM's ``vllm:time_to_first_token_seconds`` and
+``vllm:time_per_output_token_seconds``), prefixed ``pdserve_``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """Every metric one server exports; ``role`` and ``kv_backend`` become constant labels."""
+
+    def __init__(self, role: str, kv_backend: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_server_requests", "Finished requests by request_type and outcome",
+                                ["request_type", "outcome"], registry=r)
+        self.errors = Counter("pdserve_server_errors", "Errors by kind", ["kind"], registry=r)
+        self.ttft = Histogram("pdserve_server_time_to_first_token_seconds", "Submit to first output token",
+                              ["request_type"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_server_time_per_output_token_seconds", "Gap between output tokens (ITL)",
+                              ["request_type"], buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_server_e2e_request_latency_seconds", "Submit to last token",
+                             ["request_type"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_server_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve_server_generation_tokens", "Output tokens", registry=r)
+        self.kv_free_blocks = Gauge("pdserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
+        self.kv_total_blocks = Gauge("pdserve_kv_cache_total_blocks", "KV blocks in the cache", registry=r)
+        self.kv_parked = Gauge("pdserve_kv_parked_leases", "Parked KV leases (ctx)", registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved", ["direction"], registry=r)
+        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one KV transfer",
+                                    ["direction"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_leases = Counter("pdserve_kv_leases_freed", "Leases freed by reason", ["reason"], registry=r)
+        self.info = Gauge("pdserve_server_info", "Constant 1, labelled with the server's role and KV backend",
+                          ["role", "kv_backend"], registry=r)
+        self.info.labels(role=role, kv_backend=kv_backend).set(1)

@@ -1,0 +1,139 @@
+"""OpenAI bodies ↔ engine requests and outputs (no HTTP here).
+
+Defaults follow the OpenAI API: temperature 1.0, top_p 1.0; ``/v1/completions`` max_tokens 16;
+``/v1/chat/completions`` without max_tokens generates up to the context window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import EngineRequest, Phase, RequestOutput
+from engine.sampling_params import SamplingParams
+from pdserve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DisaggregatedParams,
+    Usage,
+)
+
+
+class BadRequest(ValueError):
+    """The body is valid JSON of the right shape but cannot be served (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The engine's sampling parameters for an OpenAI body."""
+    return SamplingParams(
+        max_tokens=body.effective_max_tokens(),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=body.seed,
+        stop=list(body.stop or []),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def prompt_token_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer, vocab_size: int) -> list[int]:
+    """Tokenize the prompt (chat template for chat bodies). Raises :class:`BadRequest`."""
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as err:
+            raise BadRequest(str(err), "messages") from None
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    elif isinstance(body.prompt, str):
+        ids = tokenizer.encode(body.prompt)
+    else:
+        ids = list(body.prompt)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
+    if not ids:
+        raise BadRequest("the prompt is empty after tokenization", "prompt")
+    return ids
+
+
+def check_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """Raises :class:`BadRequest` if the prompt leaves no room for one output token."""
+    if num_prompt_tokens >= max_model_len:
+        raise BadRequest(
+            f"the prompt has {num_prompt_tokens} tokens; this model's context window is {max_model_len} tokens "
+            f"(prompt + output), so at most {max_model_len - 1} prompt tokens fit", "messages")
+
+
+PHASES = {
+    "context_and_generation": Phase.CONTEXT_AND_GENERATION,
+    "context_only": Phase.CONTEXT_ONLY,
+    "generation_only": Phase.GENERATION_ONLY,
+}
+
+
+def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
+                   disagg: DisaggregatedParams | None) -> EngineRequest:
+    """Build the engine request for a body's phase (colocated when ``disagg`` is None)."""
+    phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
+    first = list(disagg.first_gen_tokens) if disagg and phase == Phase.GENERATION_ONLY else None
+    return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
+                         phase=phase, first_token_ids=first)
+
+
+@dataclass
+class Accumulated:
+    """The running total of one request's outputs (for non-stream answers and usage)."""
+
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.finish_reason = out.finish_reason
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
+                     total_tokens=self.num_prompt_tokens + self.num_output_tokens)
+
+
+def full_response(chat: bool, rid: str, created: int, model: str, acc: Accumulated,
+                  disagg: DisaggregatedParams | None) -> ChatCompletionResponse | CompletionResponse:
+    text = "".join(acc.text)
+    if chat:
+        choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=acc.finish_reason,
+                            disaggregated_params=disagg)
+        return ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
+    choice = CompletionChoice(text=text, finish_reason=acc.finish_reason, disaggregated_params=disagg)
+    return CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
+
+
+def chunk(chat: bool, rid: str, created: int, model: str, text: str | None, finish_reason: str | None,
+          role: bool = False, usage: Usage | None = None) -> ChatCompletionChunk | CompletionChunk:
+    """One streamed chunk; ``usage`` set and ``text`` None makes the final usage-only chunk (no choices)."""
+    if usage is not None and text is None:
+        cls = ChatCompletionChunk if chat else CompletionChunk
+        return cls(id=rid, created=created, model=model, choices=[], usage=usage)
+    if chat:
+        delta = ChatDelta(role="assistant" if role else None, content=text)
+        return ChatCompletionChunk(id=rid, created=created, model=model,
+                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+    return CompletionChunk(id=rid, created=created, model=model,
+                           choices=[CompletionChunkChoice(text=text or "", finish_reason=finish_reason)])

@@ -1,0 +1,1 @@
+"""The generation (decode) role: generation_only admission, KV pull, decode."""

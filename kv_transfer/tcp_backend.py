@@ -1,0 +1,173 @@
+"""TCP KV transceiver: the ctx side serves parked blocks, the gen side pulls them.
+
+Protocol (one connection per pull, gen side speaks first; control frames as in ``wire``):
+
+1. gen → ctx ``{"op": "pull", "ctx_request_id", "layout", "num_blocks"}``
+2. ctx checks the lease and the layout pairing, answers ``{"ok": true, "bytes": N}`` followed by
+   N raw bytes (``num_blocks`` block-major blocks in token order), or ``{"ok": false, "error"}``.
+3. gen → ctx ``{"op": "release", "ctx_request_id"}`` once the bytes landed; ctx frees the lease and
+   answers ``{"ok": true}``. A gen side that dies before step 3 leaves the lease to its timer.
+
+Blocking sockets in threads: the bytes go straight from the cache copy into the kernel (ctx) and
+from the kernel into a preallocated buffer (gen) with ``recv_into``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from kv_transfer.layout import KVLayout, KVLayoutMismatch, bytes_per_block, check_pairing
+from kv_transfer.lease import LeaseError, LeaseTable
+from kv_transfer.wire import KVTransferError, parse_endpoint, recv_exact_into, recv_msg, send_msg
+
+log = logging.getLogger(__name__)
+
+CHUNK_BLOCKS_BYTES = 8 << 20  # copy at most ~8 MiB of blocks out of the cache at a time
+
+
+class TcpKVServer:
+    """Ctx-side transceiver: serves the blocks of parked leases to gen servers.
+
+    Args:
+        kv_cache: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (block-major).
+        layout: this server's layout (checked against the puller's).
+        leases: the lease table holding parked requests.
+        host, port: where to listen (port 0 = any free port; see :attr:`endpoint`).
+        timeout_s: socket timeout of one pull.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
+                 host: str, port: int, timeout_s: float,
+                 on_sent: Callable[[int, float], None] | None = None) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.leases = leases
+        self.timeout_s = timeout_s
+        self.on_sent = on_sent or (lambda nbytes, seconds: None)
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer._serve_connection(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = Server((host, port), Handler)
+        self.host = host
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kv-tcp-server",
+                                        kwargs={"poll_interval": 0.2}, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("KV transfer backend: tcp, listening on %s", self.endpoint)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout_s)
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        sock.settimeout(self.timeout_s)
+        try:
+            while True:
+                try:
+                    msg = recv_msg(sock)
+                except KVTransferError:
+                    return  # peer closed
+                if msg.get("op") == "pull":
+                    self._serve_pull(sock, msg)
+                elif msg.get("op") == "release":
+                    released = self.leases.release(str(msg.get("ctx_request_id")))
+                    send_msg(sock, {"ok": True, "released": released})
+                else:
+                    send_msg(sock, {"ok": False, "error": f"unknown op {msg.get('op')!r}"})
+                    return
+        except (OSError, KVTransferError) as err:
+            log.warning("KV connection ended with an error: %s", err)
+
+    def _serve_pull(self, sock: socket.socket, msg: dict) -> None:
+        rid = str(msg.get("ctx_request_id"))
+        try:
+            remote = KVLayout.model_validate(msg.get("layout"))
+            check_pairing(remote, self.layout, "gen", "ctx")
+            lease = self.leases.begin_pull(rid)
+        except (LeaseError, KVLayoutMismatch, ValueError) as err:
+            send_msg(sock, {"ok": False, "error": str(err)})
+            return
+        try:
+            num_blocks = int(msg.get("num_blocks", 0))
+            if not 0 < num_blocks <= len(lease.block_ids):
+                send_msg(sock, {"ok": False, "error": f"asked for {num_blocks} blocks; lease {rid} holds {len(lease.block_ids)}"})
+                return
+            bpb = bytes_per_block(self.layout)
+            send_msg(sock, {"ok": True, "bytes": num_blocks * bpb})
+            t0 = time.perf_counter()
+            step = max(1, CHUNK_BLOCKS_BYTES // bpb)
+            ids = lease.block_ids[:num_blocks]
+            for i in range(0, num_blocks, step):
+                chunk = self.kv_cache[torch.tensor(ids[i:i + step])].contiguous()
+                sock.sendall(memoryview(chunk.view(torch.uint8).numpy()))
+            self.on_sent(num_blocks * bpb, time.perf_counter() - t0)
+        finally:
+            self.leases.end_pull(rid)
+
+
+class TcpKVClient:
+    """Gen-side transceiver: pulls a parked request's blocks into local blocks."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
+             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float) -> int:
+        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``,
+        then tell the ctx side to release the lease. Blocking; call from a worker thread.
+
+        Returns:
+            bytes received.
+        Raises:
+            KVLayoutMismatch: the layouts differ (checked before connecting, and again by the ctx side).
+            KVTransferError: the peer is unreachable, refused, closed early, or ``timeout_s`` passed.
+        """
+        check_pairing(self.layout, remote_layout)
+        host, port = parse_endpoint(endpoint)
+        deadline = time.monotonic() + timeout_s
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s) as sock:
+                sock.settimeout(timeout_s)
+                send_msg(sock, {"op": "pull", "ctx_request_id": ctx_request_id,
+                                "layout": self.layout.model_dump(), "num_blocks": len(dst_block_ids)})
+                answer = recv_msg(sock)
+                if not answer.get("ok"):
+                    raise KVTransferError(f"ctx KV server {endpoint} refused the pull: {answer.get('error')}")
+                nbytes = int(answer["bytes"])
+                block_shape = kv_cache.shape[1:]
+                buf = torch.empty((len(dst_block_ids), *block_shape), dtype=kv_cache.dtype)
+                view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+                if view.nbytes != nbytes:
+                    raise KVTransferError(f"ctx KV server {endpoint} sends {nbytes} bytes; {view.nbytes} expected")
+                recv_exact_into(sock, view)
+                if time.monotonic() > deadline:
+                    raise KVTransferError(f"KV pull from {endpoint} took longer than {timeout_s:.1f} s")
+                kv_cache[torch.tensor(dst_block_ids)] = buf
+                send_msg(sock, {"op": "release", "ctx_request_id": ctx_request_id})
+                recv_msg(sock)
+                return nbytes
+        except socket.timeout:
+            raise KVTransferError(f"KV pull from {endpoint} timed out after {timeout_s:.1f} s") from None
+        except OSError as err:
+            raise KVTransferError(f"KV pull from {endpoint} failed: {err}") from None

@@ -1,0 +1,314 @@
+"""HTTP wire formats shared by the orchestrator and the ctx/gen servers.
+
+The request and response bodies follow the OpenAI API (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``; https://platform.openai.com/docs/api-reference).
+``disaggregated_params`` is pdserve's extension (same name and role as in TensorRT-LLM's
+``trtllm-serve disaggregated``): the orchestrator adds it to route the two phases of a request.
+
+Imports only pydantic: the orchestrator never imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RequestType = Literal["context_only", "generation_only", "context_and_generation"]
+
+
+class KVLayoutModel(BaseModel):
+    """The KV cache layout of one server rank (compared at the KV handshake).
+
+    ``bytes_per_block`` = num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+class DisaggregatedParams(BaseModel):
+    """Phase routing of one request (request side: orchestrator → server; answer side: ctx → orchestrator).
+
+    ctx answer: ``ctx_request_id``, ``first_gen_tokens`` (the first sampled token ids),
+    ``prompt_token_ids``, ``kv_endpoint`` (opaque transceiver address), ``kv_layout``,
+    ``kv_block_count`` and ``lease_deadline`` (unix seconds). The orchestrator forwards them to the
+    gen server with ``request_type = "generation_only"``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    request_type: RequestType
+    disagg_request_id: str | None = None
+    ctx_request_id: str | None = None
+    first_gen_tokens: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    kv_endpoint: str | None = None
+    kv_layout: KVLayoutModel | None = None
+    kv_block_count: int | None = None
+    lease_deadline: float | None = None
+
+    @model_validator(mode="after")
+    def _generation_only_has_ctx_state(self) -> "DisaggregatedParams":
+        if self.request_type == "generation_only":
+            missing = [k for k in ("ctx_request_id", "first_gen_tokens", "prompt_token_ids", "kv_endpoint", "kv_layout")
+                       if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"generation_only requests need {', '.join(missing)} (from the ctx server's answer)")
+        return self
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields common to both endpoints. Unsupported features are accepted only at their defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="pdserve extension; -1/0 = disabled")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("stop takes at most 16 non-empty strings")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message text; list content must hold only ``{"type": "text", "text": ...}`` parts."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="not supported: only false")
+    add_generation_prompt: bool = True
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = Field(False, description="not supported: only false")
+    logprobs: int | None = Field(None, description="not supported")
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(x, int) for x in v):
+            return v
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            return v[0]
+        raise ValueError("prompt must be one non-empty string or one list of token ids (batches are not supported)")
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+    """The JSON body of an OpenAI-style error (``type_`` e.g. ``invalid_request_error``)."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel | dict) -> bytes:
+    """One server-sent event line ``data: {json}\\n\\n``."""
+    import json
+
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json()
+    else:
+        data = json.dumps(payload)
+    return f"data: {data}\n\n".encode()

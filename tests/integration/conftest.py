@@ -1,0 +1,30 @@
+"""Fixtures that start real ctx/gen servers and the orchestrator on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.procs import Cluster, Procs, write_topology
+
+TINY_NAME = "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from engine.tiny import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory):
+    p = Procs(tmp_path_factory.mktemp("logs"))
+    yield p
+    p.stop_all()
+
+
+@pytest.fixture(scope="module")
+def tiny_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
+    """1 ctx + 1 gen (tiny random Llama, block_size 4) + orchestrator."""
+    topo = write_topology(tmp_path_factory.mktemp("topo") / "tiny.yaml", str(tiny_model_dir), TINY_NAME)
+    return Cluster(topo, procs).start()

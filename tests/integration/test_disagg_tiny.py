@@ -1,0 +1,157 @@
+"""Real processes, tiny random Llama: disaggregated == colocated, concurrency, leases, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import TINY_NAME
+
+# From 1 token to well over three KV blocks (block_size is 4 in the tiny cluster).
+PROMPTS = [
+    "Hi",
+    "a",
+    "The quick brown fox",
+    "Once upon a time there was",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13",
+    "Paris is the capital of France and Berlin is the capital of Germany.",
+    "Write a short poem about the sea, the wind and the gulls over the harbour at dawn.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Zürich, Köln, Málaga — ünïcödé names",
+    "In 1492 Columbus sailed the ocean blue; in 1969 people walked on the moon; in 2026 we serve LLMs.",
+]
+
+
+def completion_body(prompt, stream: bool, max_tokens: int = 24, **kw) -> dict:
+    return {"model": TINY_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream, **kw}
+
+
+def chat_body(text: str, stream: bool, max_tokens: int = 24, **kw) -> dict:
+    return {"model": TINY_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream, **kw}
+
+
+def run(url: str, path: str, body: dict) -> tuple[str, str | None, dict | None]:
+    """POST and return (text, finish_reason, usage), reading SSE when streaming."""
+    chat = path.endswith("chat/completions")
+    if not body.get("stream"):
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        c = d["choices"][0]
+        return (c["message"]["content"] if chat else c["text"]), c["finish_reason"], d["usage"]
+    text, finish, usage = [], None, None
+    with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        d = json.loads(e)
+        assert "error" not in d, d
+        if d.get("usage"):
+            usage = d["usage"]
+        for c in d["choices"]:
+            text.append((c["delta"].get("content") or "") if chat else c["text"])
+            finish = c["finish_reason"] or finish
+    return "".join(text), finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disaggregated_equals_colocated(tiny_cluster, path, stream):
+    for prompt in PROMPTS:
+        body = chat_body(prompt, stream) if "chat" in path else completion_body(prompt, stream)
+        disagg = run(tiny_cluster.url, path, body)
+        colocated = run(tiny_cluster.server_url("gen"), path, body)
+        assert disagg == colocated, prompt
+        assert disagg[2]["completion_tokens"] == 24 and disagg[1] == "length"
+
+
+def test_single_token_prompt_ids(tiny_cluster):
+    body = completion_body([17], False, max_tokens=8)
+    assert run(tiny_cluster.url, "/v1/completions", body) == run(tiny_cluster.server_url("ctx"), "/v1/completions", body)
+
+
+def test_max_tokens_one_finishes_on_ctx(tiny_cluster):
+    body = completion_body("hello there", False, max_tokens=1)
+    text, finish, usage = run(tiny_cluster.url, "/v1/completions", body)
+    assert finish == "length" and usage["completion_tokens"] == 1
+    assert (text, finish, usage) == run(tiny_cluster.server_url("gen"), "/v1/completions", body)
+    streamed = run(tiny_cluster.url, "/v1/completions", {**body, "stream": True})
+    assert streamed[:2] == (text, finish)
+
+
+def test_eight_concurrent_equal_each_alone(tiny_cluster):
+    bodies = [completion_body(p, False, max_tokens=16) for p in PROMPTS[:8]]
+    alone = [run(tiny_cluster.url, "/v1/completions", b) for b in bodies]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*[c.post(tiny_cluster.url + "/v1/completions", json=b) for b in bodies])
+        return [(r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"], r.json()["usage"]) for r in rs]
+
+    assert asyncio.run(all_at_once()) == alone
+
+
+def test_stop_string_disagg_equals_colocated(tiny_cluster):
+    base = completion_body(PROMPTS[6], False, max_tokens=24)
+    full, _, _ = run(tiny_cluster.server_url("gen"), "/v1/completions", base)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), "need a non-blank stop string"
+    body = {**base, "stop": [stop]}
+    result = run(tiny_cluster.url, "/v1/completions", body)
+    assert result == run(tiny_cluster.server_url("gen"), "/v1/completions", body)
+    assert result[1] == "stop" and stop not in result[0]
+
+
+def server_info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=5).json()
+
+
+def test_ctx_server_refuses_generation_only_and_gen_refuses_context_only(tiny_cluster):
+    body = completion_body("x", False, disaggregated_params={"request_type": "context_only"})
+    r = httpx.post(tiny_cluster.server_url("gen") + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 400 and "does not run context_only" in r.json()["error"]["message"]
+
+
+BAD_BODIES = [
+    (b"{not json", 400),
+    (json.dumps({"model": TINY_NAME}).encode(), 422),                     # missing messages
+    (json.dumps({"model": TINY_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 422),
+    (json.dumps({"model": TINY_NAME, "messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), 422),
+    (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
+    (json.dumps({"model": TINY_NAME, "messages": [{"role": "user", "content": "word " * 3000}]}).encode(), 400),
+]
+
+
+@pytest.mark.parametrize("target", ["orchestrator", "ctx", "gen"])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(tiny_cluster, target):
+    url = tiny_cluster.url if target == "orchestrator" else tiny_cluster.server_url(target)
+    for raw, status in BAD_BODIES:
+        r = httpx.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == status, (raw[:60], r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+    assert run(url, "/v1/chat/completions", chat_body("still there?", False, max_tokens=4))[2]["completion_tokens"] == 4
+
+
+def test_models_and_health(tiny_cluster):
+    for url in (tiny_cluster.url, tiny_cluster.server_url("ctx"), tiny_cluster.server_url("gen")):
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=5).json()["data"]] == [TINY_NAME]
+
+
+def test_pulled_lease_frees_ctx_blocks(tiny_cluster):
+    ctx = tiny_cluster.server_url("ctx")
+    start = server_info(ctx)["free_blocks"]
+    run(tiny_cluster.url, "/v1/completions", completion_body(PROMPTS[9], False, max_tokens=4))
+    deadline = time.monotonic() + 5
+    while server_info(ctx)["free_blocks"] != start and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server_info(ctx)["free_blocks"] == start
+    assert server_info(ctx)["parked_leases"] == 0

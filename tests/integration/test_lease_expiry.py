@@ -1,0 +1,64 @@
+"""A lease nobody pulls frees its blocks on a timer, even on an idle ctx server."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import TINY_NAME
+from tests.integration.procs import Cluster, write_topology
+
+LEASE_MS = 600
+
+
+@pytest.fixture(scope="module")
+def ctx_url(tiny_model_dir, procs, tmp_path_factory) -> str:
+    topo = write_topology(tmp_path_factory.mktemp("topo") / "lease.yaml", str(tiny_model_dir), TINY_NAME,
+                          kv_transfer={"lease_ms": LEASE_MS})
+    cluster = Cluster(topo, procs)
+    url = cluster.server_url("ctx")
+    procs.start("ctx-lease", "-m", "ctx_worker", "--config", str(topo))
+    procs.wait_healthy("ctx-lease", url)
+    return url
+
+
+def info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=5).json()
+
+
+def test_unpulled_lease_expires_on_idle_server(ctx_url):
+    start = info(ctx_url)["free_blocks"]
+    body = {"model": TINY_NAME, "prompt": "one two three four five six seven eight nine ten eleven",
+            "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": "t-1"}}
+    r = httpx.post(ctx_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    params = choice["disaggregated_params"]
+    assert choice["finish_reason"] is None
+    assert params["kv_block_count"] == -(-len(params["prompt_token_ids"]) // 4)
+    assert params["kv_endpoint"].startswith("tcp://127.0.0.1:")
+    assert len(params["first_gen_tokens"]) == 1 and params["disagg_request_id"] == "t-1"
+    assert info(ctx_url)["free_blocks"] < start and info(ctx_url)["parked_leases"] == 1
+    t0 = time.monotonic()
+    while info(ctx_url)["free_blocks"] != start and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    waited = time.monotonic() - t0
+    assert info(ctx_url)["free_blocks"] == start, "lease never expired"
+    assert info(ctx_url)["parked_leases"] == 0 and info(ctx_url)["leases_expired"] == 1
+    assert waited < LEASE_MS / 1000 + 1.5
+
+
+def test_release_endpoint_frees_blocks_at_once(ctx_url):
+    start = info(ctx_url)["free_blocks"]
+    body = {"model": TINY_NAME, "prompt": "alpha beta gamma delta", "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "disaggregated_params": {"request_type": "context_only"}}
+    params = httpx.post(ctx_url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["disaggregated_params"]
+    r = httpx.post(ctx_url + "/disagg/release", json={"ctx_request_id": params["ctx_request_id"]}, timeout=5)
+    assert r.json() == {"released": True}
+    time.sleep(0.1)
+    assert info(ctx_url)["free_blocks"] == start
+    assert httpx.post(ctx_url + "/disagg/release", json={"ctx_request_id": params["ctx_request_id"]},
+                      timeout=5).json() == {"released": False}
