@@ -1,0 +1,35 @@
+"""``python -m orchestrator --config FILE``: serve the orchestrator of a topology with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from pdserve.config import TopologyError, load_topology
+
+from .app import create_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run until SIGINT/SIGTERM. Returns 2 when the topology file is invalid."""
+    parser = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__)
+    parser.add_argument("--config", required=True, help="topology YAML file")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    try:
+        topology = load_topology(args.config)
+    except TopologyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = topology.orchestrator
+    uvicorn.run(create_app(topology), host=s.host, port=s.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The disaggregated request path: context phase on a ctx server, generation phase on a gen server.
+
+1. Context phase: POST a copy of the client body with ``stream: false``, no ``stream_options`` and
+   ``disaggregated_params = {request_type: context_only, disagg_request_id}``. Retried on the next
+   ctx server (same ``disagg_request_id``) on 5xx / transport errors / timeouts; 4xx is relayed.
+2. If the ctx answer is already final (``finish_reason`` set), it is the client's answer
+   (converted to SSE when the client streams).
+3. Generation phase: POST the client body with the ctx's params as ``generation_only``. Retried on
+   another gen server while nothing has reached the client (the lease still holds); the answer or
+   stream goes to the client as is. If the phase is abandoned, the ctx lease is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.config import OrchestratorSettings, Role
+
+from .errors import OrchestratorError
+from .metrics import Metrics
+from .pools import ClusterPools, Server
+from .relay import RelayResponse, StreamRelay
+from .router import Router
+from .sse import answer_to_events
+from .tasks import TaskOwner
+from .upstream import AttemptFailed, open_stream, post_json, release_lease
+
+log = logging.getLogger("orchestrator.disagg")
+
+T = TypeVar("T")
+RELEASE_TIMEOUT_S = 2.0
+PHASE_NAMES = {"ctx": "context phase", "gen": "generation phase"}
+
+
+@dataclass
+class Exchange:
+    """One client request on its way through the cluster."""
+
+    endpoint: str  # "/v1/chat/completions" or "/v1/completions"; also the upstream path
+    body: dict     # the client's body as received (already validated)
+    disagg_request_id: str = field(default_factory=lambda: f"disagg-{uuid.uuid4().hex}")
+    started_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream", False))
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.endswith("/chat/completions")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The KV blocks a ctx server parked for one request."""
+
+    ctx_url: str
+    ctx_request_id: str
+
+
+class DisaggFlow:
+    """Runs :class:`Exchange` objects through ctx then gen; one instance per app."""
+
+    def __init__(self, pools: ClusterPools, router: Router, client: httpx.AsyncClient,
+                 settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner) -> None:
+        self._pools = pools
+        self._router = router
+        self._client = client
+        self._settings = settings
+        self._metrics = metrics
+        self._tasks = tasks
+
+    async def handle(self, ex: Exchange) -> Response:
+        """The client's response. Raises :class:`OrchestratorError` (4xx relay, 503 when a phase fails)."""
+        if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
+            raise OrchestratorError(503, f"no ready gen server ({self._pools.not_ready_reason()})",
+                                    kind="gen_failed", type_="service_unavailable")
+        t0 = time.monotonic()
+        ctx_server, answer = await self._with_retries("ctx", lambda s: self._context_attempt(ex, s))
+        self._metrics.ctx_phase.observe(time.monotonic() - t0)
+        choice = answer["choices"][0]
+        if choice.get("finish_reason") is not None:
+            return self._final_from_ctx(ex, answer)
+        params = choice["disaggregated_params"]
+        lease = Lease(ctx_server.url, params["ctx_request_id"])
+        gen_body = dict(ex.body)
+        gen_body["disaggregated_params"] = {**params, "request_type": "generation_only",
+                                            "disagg_request_id": ex.disagg_request_id}
+        handed_over = False
+        try:
+            if ex.stream:
+                _, response = await self._with_retries("gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lease))
+            else:
+                _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body))
+            handed_over = True
+            return response
+        finally:
+            # Any way out but a response (error, cancellation) abandons the gen phase.
+            if not handed_over:
+                self.release_soon(lease)
+
+    def release_soon(self, lease: Lease) -> None:
+        """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
+        self._tasks.spawn(release_lease(self._client, lease.ctx_url, lease.ctx_request_id, RELEASE_TIMEOUT_S),
+                          name=f"release-{lease.ctx_request_id}")
+
+    async def _with_retries(self, role: Role, attempt: Callable[[Server], Awaitable[T]]) -> tuple[Server, T]:
+        """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``.
+
+        Raises:
+            OrchestratorError: 503 naming every failed attempt, or that no server was ready.
+            UpstreamRejected: a server answered 4xx (relayed, not retried).
+        """
+        tried: set[str] = set()
+        failures: list[str] = []
+        for _ in range(1 + self._settings.max_retries):
+            server = self._router.pick(self._pools.pool(role), tried)
+            if server is None:
+                break
+            tried.add(server.url)
+            try:
+                return server, await attempt(server)
+            except AttemptFailed as err:
+                server.mark_unhealthy(str(err))
+                self._metrics.errors.labels(kind=f"{role}_attempt").inc()
+                failures.append(f"{server.name} {server.url}: {err}")
+                log.warning("%s attempt on %s failed: %s", PHASE_NAMES[role], server.url, err)
+        phase = PHASE_NAMES[role]
+        if failures:
+            msg = f"{phase} failed on {len(failures)} {role} server(s): " + "; ".join(failures)
+        else:
+            msg = f"{phase} impossible: no ready {role} server ({self._pools.not_ready_reason() or 'all tried'})"
+        raise OrchestratorError(503, msg, kind=f"{role}_failed", type_="service_unavailable")
+
+    async def _context_attempt(self, ex: Exchange, server: Server) -> dict:
+        body = dict(ex.body)
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}
+        with server.track():
+            answer = await post_json(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "ctx")
+        check_ctx_answer(answer)
+        return answer
+
+    async def _gen_json_attempt(self, ex: Exchange, server: Server, body: dict) -> Response:
+        with server.track():
+            answer = await post_json(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "gen")
+        return self._json_response(ex, answer)
+
+    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: dict, lease: Lease) -> Response:
+        server.in_flight += 1  # handed to the relay, which drops it at close
+        try:
+            stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "gen")
+        except BaseException:
+            server.in_flight -= 1
+            raise
+        relay = StreamRelay(stream, server, ex.endpoint, ex.started_s,
+                            ex.started_s + self._settings.request_timeout_s, self._metrics,
+                            on_abandon=lambda: self.release_soon(lease))
+        return RelayResponse(relay)
+
+    def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:
+        for choice in answer.get("choices", []):
+            choice.pop("disaggregated_params", None)
+        if not ex.stream:
+            return self._json_response(ex, answer)
+        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
+        events = answer_to_events(answer, ex.chat, include_usage)
+        self._observe_done(ex)
+
+        async def body():
+            for event in events:
+                yield event
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def _json_response(self, ex: Exchange, answer: dict) -> JSONResponse:
+        self._observe_done(ex)
+        return JSONResponse(answer)
+
+    def _observe_done(self, ex: Exchange) -> None:
+        elapsed = time.monotonic() - ex.started_s
+        self._metrics.ttft.labels(endpoint=ex.endpoint).observe(elapsed)
+        self._metrics.e2e.labels(endpoint=ex.endpoint).observe(elapsed)
+
+
+def check_ctx_answer(answer: dict) -> None:
+    """Raise AttemptFailed unless ``answer`` is a usable ctx answer (final, or with ctx params)."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise AttemptFailed("ctx answer does not hold exactly one choice")
+    choice = choices[0]
+    if choice.get("finish_reason") is not None:
+        return
+    params = choice.get("disaggregated_params")
+    if not isinstance(params, dict) or not params.get("ctx_request_id"):
+        raise AttemptFailed("ctx answer has neither finish_reason nor disaggregated_params.ctx_request_id")

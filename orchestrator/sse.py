@@ -1,0 +1,46 @@
+"""Server-sent events the orchestrator writes itself (the gen server's stream is relayed as is).
+
+Used when the ctx server already finished the request at its first token and the client asked
+for ``stream``: the final JSON answer becomes the chunk sequence an OpenAI stream would have.
+"""
+
+from __future__ import annotations
+
+from pdserve.protocol import (
+    SSE_DONE,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChunk,
+    CompletionChunkChoice,
+    Usage,
+    error_body,
+    sse_event,
+)
+
+
+def answer_to_events(answer: dict, chat: bool, include_usage: bool) -> list[bytes]:
+    """Convert a final non-stream answer (one choice) to SSE events ending with ``[DONE]``."""
+    choice = answer["choices"][0]
+    head = {"id": answer.get("id", ""), "created": int(answer.get("created", 0)), "model": answer.get("model", "")}
+    usage = Usage.model_validate(answer["usage"]) if include_usage and answer.get("usage") else None
+    finish = choice.get("finish_reason")
+    if chat:
+        text = (choice.get("message") or {}).get("content") or ""
+        chunks = [
+            ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=text))]),
+            ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason=finish)]),
+        ]
+        if usage is not None:
+            chunks.append(ChatCompletionChunk(**head, choices=[], usage=usage))
+    else:
+        chunks = [CompletionChunk(**head, choices=[CompletionChunkChoice(text=choice.get("text") or "",
+                                                                         finish_reason=finish)])]
+        if usage is not None:
+            chunks.append(CompletionChunk(**head, choices=[], usage=usage))
+    return [sse_event(c) for c in chunks] + [SSE_DONE]
+
+
+def error_events(message: str, type_: str = "upstream_error", code: int = 502) -> list[bytes]:
+    """An SSE error event (OpenAI error body) followed by ``[DONE]``: how a broken stream ends."""
+    return [sse_event(error_body(message, type_, code)), SSE_DONE]

@@ -1,0 +1,209 @@
+"""Fake ctx/gen servers speaking the pdserve server protocol with canned tokens (no engine).
+
+Token ``i`` of every answer is ``TOKENS[i % len(TOKENS)]``; the ctx server samples token 0 and the
+gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once).
+A :class:`Behavior` injects failures; a :class:`Record` keeps what each server saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.protocol import SSE_DONE, error_body, sse_event
+
+TOKENS = ["Hello", ",", " world", "!", " How", " are", " you", "?"]
+MODEL = "fake-model"
+PROMPT_TOKENS = [1, 2, 3]
+REJECT_MARKER = "TOO_LONG"  # a prompt containing it gets a 400 from the ctx server
+
+
+def text_of(n: int) -> str:
+    return "".join(TOKENS[i % len(TOKENS)] for i in range(n))
+
+
+@dataclass
+class Behavior:
+    """Failure injection. ``fail_status`` applies to the next ``fail_times`` completion requests."""
+
+    fail_status: int | None = None
+    fail_times: int = 10**9
+    health_status: int = 200
+    break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
+    chunk_delay_s: float = 0.0
+    no_done: bool = False                  # gen stream: end cleanly but without [DONE]
+
+
+@dataclass
+class Record:
+    bodies: list[dict] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+    leases: set[str] = field(default_factory=set)
+    aborted_streams: int = 0
+    finished_streams: int = 0
+
+
+def _max_tokens(body: dict, chat: bool) -> int:
+    if chat:
+        return body.get("max_completion_tokens") or body.get("max_tokens") or 16
+    return body.get("max_tokens") or 16
+
+
+def _usage(n: int) -> dict:
+    return {"prompt_tokens": len(PROMPT_TOKENS), "completion_tokens": n, "total_tokens": len(PROMPT_TOKENS) + n}
+
+
+def _answer(chat: bool, text: str, finish: str | None, n: int, dp: dict | None) -> dict:
+    head = {"id": f"cmpl-{uuid.uuid4().hex[:8]}", "created": int(time.time()), "model": MODEL, "usage": _usage(n)}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": None, "disaggregated_params": dp}
+        return {**head, "object": "chat.completion", "choices": [choice]}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None, "disaggregated_params": dp}
+    return {**head, "object": "text_completion", "choices": [choice]}
+
+
+def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: bool = False) -> bytes:
+    head = {"id": cid, "created": int(time.time()), "model": MODEL}
+    if chat:
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return sse_event({**head, "object": "chat.completion.chunk",
+                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    return sse_event({**head, "object": "text_completion",
+                      "choices": [{"index": 0, "text": text or "", "finish_reason": finish}]})
+
+
+def _ctx_answer(rec: Record, chat: bool, body: dict) -> JSONResponse:
+    n = _max_tokens(body, chat)
+    if n == 1:
+        return JSONResponse(_answer(chat, text_of(1), "length", 1, None))
+    lease = f"lease-{uuid.uuid4().hex[:8]}"
+    rec.leases.add(lease)
+    dp = {"request_type": "context_only", "disagg_request_id": body["disaggregated_params"]["disagg_request_id"],
+          "ctx_request_id": lease, "first_gen_tokens": [0], "prompt_token_ids": PROMPT_TOKENS,
+          "kv_endpoint": "tcp://127.0.0.1:1", "kv_block_count": 1, "lease_deadline": time.time() + 30,
+          "kv_layout": {"model": MODEL, "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "block_size": 16,
+                        "dtype": "float32"}}
+    return JSONResponse(_answer(chat, text_of(1), None, 1, dp))
+
+
+def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
+    n = _max_tokens(body, chat)
+    include_usage = (body.get("stream_options") or {}).get("include_usage", False)
+    cid = f"cmpl-{uuid.uuid4().hex[:8]}"
+
+    async def events():
+        done = False
+        try:
+            for i in range(n):
+                if beh.break_after_chunks is not None and i >= beh.break_after_chunks:
+                    raise RuntimeError("injected mid-stream failure")
+                yield _chunk(chat, cid, TOKENS[i % len(TOKENS)], None, role=(i == 0))
+                await asyncio.sleep(beh.chunk_delay_s)
+            yield _chunk(chat, cid, None if chat else "", "length")
+            if include_usage:
+                yield sse_event({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                 "created": 0, "model": MODEL, "choices": [], "usage": _usage(n)})
+            if not beh.no_done:
+                yield SSE_DONE
+            done = True
+        finally:
+            if done:
+                rec.finished_streams += 1
+            else:
+                rec.aborted_streams += 1
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
+    """A FastAPI app behaving like a ctx (``role="ctx"``) or gen server."""
+    app = FastAPI()
+
+    async def complete(request: Request, chat: bool):
+        body = await request.json()
+        rec.bodies.append(body)
+        if beh.fail_status is not None and beh.fail_times > 0:
+            beh.fail_times -= 1
+            return JSONResponse(error_body("injected failure", "internal_server_error", beh.fail_status),
+                                status_code=beh.fail_status)
+        if REJECT_MARKER in json.dumps(body):
+            return JSONResponse(error_body("prompt is too long", "invalid_request_error", 400, "messages"), 400)
+        dp = body.get("disaggregated_params") or {}
+        if role == "ctx":
+            assert dp.get("request_type") == "context_only" and body["stream"] is False
+            return _ctx_answer(rec, chat, body)
+        assert dp.get("request_type") == "generation_only" and dp.get("ctx_request_id")
+        if body.get("stream"):
+            return _gen_stream(beh, rec, chat, body)
+        n = _max_tokens(body, chat)
+        return JSONResponse(_answer(chat, text_of(n), "length", n, None))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await complete(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, False)
+
+    @app.get("/health")
+    async def health():
+        if beh.health_status != 200:
+            return JSONResponse(error_body("not ready", "service_unavailable", beh.health_status), beh.health_status)
+        return {"status": "ok"}
+
+    @app.post("/disagg/release")
+    async def release(request: Request):
+        lease = (await request.json())["ctx_request_id"]
+        rec.releases.append(lease)
+        released = lease in rec.leases
+        rec.leases.discard(lease)
+        return {"released": released}
+
+    return app
+
+
+def bind_socket() -> socket.socket:
+    """A listening-ready TCP socket on 127.0.0.1 with a free port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class ThreadServer:
+    """Runs an ASGI app with uvicorn in a daemon thread on a pre-bound socket."""
+
+    def __init__(self, app, sock: socket.socket | None = None) -> None:
+        self.sock = sock or bind_socket()
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"uvicorn on {self.url} did not start within {timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        self.sock.close()

@@ -1,0 +1,55 @@
+"""``pdserve config check`` and argument errors of ``pdserve up``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.cli import curl_line, main
+from pdserve.config import load_topology, parse_topology
+
+LOCAL = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+
+
+def test_config_check_prints_resolved_topology(capsys):
+    assert main(["config", "check", str(LOCAL)]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)
+    assert parse_topology(printed) == load_topology(LOCAL)  # the output is itself a valid topology
+    assert "#   ctx[0] http://127.0.0.1:8001 engine:" in out
+
+
+@pytest.mark.parametrize("text,path", [
+    ("pools:\n  ctx: {servers: [{port: 8001}]}\n  gen: {servers: [{port: 8002}]}\norchestrator: {prot: 1}\n",
+     "orchestrator.prot: unknown key"),
+    ("pools:\n  ctx: {servers: [{port: 8001}]}\n  gen: {servers: [{port: high}]}\n",
+     "pools.gen.servers.0.port: Input should be a valid integer"),
+    ("engine: {block_size: -4}\npools:\n  ctx: {servers: [{port: 8001}]}\n  gen: {servers: [{port: 8002}]}\n",
+     "engine.block_size: Input should be greater than or equal to 1"),
+])
+def test_config_check_names_the_bad_path(tmp_path, capsys, text, path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    assert main(["config", "check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert path in err and str(bad) in err
+
+
+def test_config_check_missing_file(tmp_path, capsys):
+    assert main(["config", "check", str(tmp_path / "nope.yaml")]) == 1
+    assert "cannot read topology file" in capsys.readouterr().err
+
+
+def test_up_with_bad_config_exits_1(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools: 3\n")
+    assert main(["up", str(bad), "--log-dir", str(tmp_path / "logs")]) == 1
+    assert "pools" in capsys.readouterr().err
+
+
+def test_curl_line_names_model_and_url():
+    line = curl_line(load_topology(LOCAL), "http://127.0.0.1:8000")
+    assert line.startswith("curl http://127.0.0.1:8000/v1/chat/completions")
+    assert '"model": "SmolLM2-135M-Instruct"' in line
