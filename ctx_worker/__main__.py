@@ -2,8 +2,7 @@
 
 import sys
 
-from ctx_worker.context_phase import setup_ctx_role
 from executor.server_main import main
 
 if __name__ == "__main__":
-    sys.exit(main("ctx", setup_ctx_role))
+    sys.exit(main("ctx"))

@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine (and torch) are only needed by implementations
-    import torch
-
-    from engine.request import EngineRequest, KVPull, RequestOutput
+    from engine.request import EngineRequest, RequestOutput
     from engine.tokenizer import Tokenizer
+    from pdserve.protocol import DisaggregatedParams
 
 
 class EngineState(str, enum.Enum):
@@ -64,26 +63,21 @@ class EngineClient(abc.ABC):
     def max_model_len(self) -> int:
         """Context window in tokens (prompt + output)."""
 
-    @property
     @abc.abstractmethod
-    def kv_cache(self) -> "torch.Tensor":
-        """Block-major KV cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+    def generate(self, request: "EngineRequest",
+                 disagg: "DisaggregatedParams | None" = None) -> AsyncIterator[object]:
+        """Submit ``request`` and yield its outputs until a :class:`RequestOutput` has ``finished``.
 
-        Only the blocks of a parked request or of a pending :class:`KVPull` may be touched from
-        outside the engine loop.
-        """
-
-    @abc.abstractmethod
-    def generate(self, request: "EngineRequest") -> AsyncIterator["RequestOutput | KVPull"]:
-        """Submit ``request`` and yield its outputs until one has ``finished``.
-
-        A ``generation_only`` request first yields one :class:`KVPull`; the caller fills those blocks
-        and calls :meth:`kv_ready`. Closing the iterator early aborts the request.
+        ``disagg`` carries the phase routing to the worker side (the ctx role parks the blocks of
+        a ``context_only`` request; the gen role pulls the KV of a ``generation_only`` one). Besides
+        engine outputs the stream may yield :class:`executor.kv_role.KVHandoff` and
+        :class:`executor.kv_role.KVTransferDone`. Closing the iterator early aborts the request.
 
         Raises:
             EngineDeadError: the engine is dead (at submit or while the request is pending).
             EngineNotServingError: the engine is starting or draining.
             engine.errors.RequestValidationError: the engine refused the request (e.g. too long).
+            executor.phases.PhaseError: the worker side failed the request (e.g. a KV pull).
         """
 
     @abc.abstractmethod
@@ -91,16 +85,12 @@ class EngineClient(abc.ABC):
         """Abort a request (no-op if unknown or finished); its blocks are freed."""
 
     @abc.abstractmethod
-    def kv_ready(self, request_id: str, ok: bool) -> None:
-        """Report that a :class:`KVPull`'s blocks were filled (``ok``) or that the pull failed."""
+    async def release_lease(self, ctx_request_id: str) -> bool:
+        """Release the parked KV lease of a ``context_only`` request. False if there was none."""
 
     @abc.abstractmethod
-    def release_parked(self, request_id: str) -> None:
-        """Free the parked KV blocks of a finished ``context_only`` request."""
-
-    @abc.abstractmethod
-    def stats(self) -> dict[str, int]:
-        """Snapshot: ``free_blocks``, ``total_blocks``, ``running``, ``waiting`` (counts)."""
+    def stats(self) -> dict:
+        """Snapshot: ``free_blocks``, ``total_blocks`` and the role's KV counters."""
 
     @abc.abstractmethod
     def drain(self) -> None:

@@ -79,7 +79,6 @@ class ServerState:
     kv_layout: KVLayoutModel
     kv_backend: str
     vocab_size: int
-    extra_info: Callable[[], dict] = dict
     routers: list[APIRouter] = field(default_factory=list)
     on_shutdown: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
@@ -180,7 +179,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         stats = state.client.stats()
         return {"role": cfg.role, "index": cfg.index, "model": cfg.model.name, "state": state.client.state.value,
                 "kv_layout": state.kv_layout.model_dump(), "kv_backend": state.kv_backend,
-                "max_model_len": state.client.max_model_len, **stats, **state.extra_info()}
+                "max_model_len": state.client.max_model_len, **stats}
 
     @app.get("/metrics")
     async def metrics() -> Response:

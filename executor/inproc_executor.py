@@ -17,8 +17,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest, KVPull, RequestOutput
+from engine.request import EngineRequest, RequestOutput
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
+from executor.kv_role import WorkerRole
+from pdserve.protocol import DisaggregatedParams
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,9 @@ class _Stream:
 class InProcessExecutor(EngineClient):
     """Engine loop in a background thread; owned by the server, stopped by :meth:`shutdown`."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, role: WorkerRole | None = None) -> None:
         self._engine = engine
+        self._role = role or WorkerRole()
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams, _state, _dead_reason
@@ -56,7 +59,8 @@ class InProcessExecutor(EngineClient):
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine loop thread and open the admission gate."""
+        """Start the role and the engine loop thread, then open the admission gate."""
+        self._role.start(self._engine, self)
         self._thread.start()
         with self._lock:
             if self._state == EngineState.STARTING:
@@ -74,6 +78,7 @@ class InProcessExecutor(EngineClient):
             await asyncio.to_thread(self._thread.join, timeout_s)
             if self._thread.is_alive():
                 log.error("engine loop did not stop within %.1f s", timeout_s)
+        await asyncio.to_thread(self._role.stop)
         self._die("the server is shutting down", log_error=False)
 
     # ---- properties -----------------------------------------------------------------------
@@ -94,19 +99,16 @@ class InProcessExecutor(EngineClient):
         return self._engine.max_model_len
 
     @property
-    def kv_cache(self):
-        return self._engine.kv_cache
-
-    @property
     def engine(self) -> LLMEngine:
         return self._engine
 
-    def stats(self) -> dict[str, int]:
-        return dict(self._stats)
+    def stats(self) -> dict:
+        return {**self._stats, **self._role.stats()}
 
     # ---- requests -------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput | KVPull]:
-        stream = self._register(request)
+    async def generate(self, request: EngineRequest,
+                       disagg: DisaggregatedParams | None = None) -> AsyncIterator[object]:
+        stream = self._register(request, disagg)
         try:
             while True:
                 item = await stream.queue.get()
@@ -124,7 +126,7 @@ class InProcessExecutor(EngineClient):
             if not stream.finished:
                 self.abort(request.request_id)
 
-    def _register(self, request: EngineRequest) -> _Stream:
+    def _register(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> _Stream:
         stream = _Stream(loop=asyncio.get_running_loop())
         # The state check and the registration happen under one lock that _die also takes, so a
         # request is either refused here or registered before _die fails every registered stream:
@@ -137,23 +139,35 @@ class InProcessExecutor(EngineClient):
             if request.request_id in self._streams:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
             self._streams[request.request_id] = stream
-        self._commands.put(lambda: self._add(request, stream))
+        self._commands.put(lambda: self._add(request, disagg, stream))
         return stream
 
-    def _add(self, request: EngineRequest, stream: _Stream) -> None:
+    def _add(self, request: EngineRequest, disagg: DisaggregatedParams | None, stream: _Stream) -> None:
         try:
+            self._role.on_submit(request, disagg)
             self._engine.add_request(request)
         except ValueError as err:  # RequestValidationError and friends: this request only
             stream.put(err)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self._engine.abort_request(request_id))
+        def _abort() -> None:
+            if not self._role.intercept_abort(request_id):
+                self._engine.abort_request(request_id)
 
-    def kv_ready(self, request_id: str, ok: bool) -> None:
-        self._commands.put(lambda: self._engine.kv_ready(request_id, ok))
+        self._commands.put(_abort)
 
-    def release_parked(self, request_id: str) -> None:
-        self._commands.put(lambda: self._engine.release_parked(request_id))
+    async def release_lease(self, ctx_request_id: str) -> bool:
+        return self._role.release(ctx_request_id)
+
+    # ---- WorkerOps (for the role; thread-safe) ------------------------------------------------
+    def post(self, fn: Callable[[LLMEngine], None]) -> None:
+        self._commands.put(lambda: fn(self._engine))
+
+    def deliver(self, request_id: str, item: object) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
 
     # ---- engine loop thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -164,8 +178,11 @@ class InProcessExecutor(EngineClient):
                     break
                 if self._engine.has_work():
                     result = self._engine.step()
-                    for item in [*result.kv_pulls, *result.outputs]:
-                        self._deliver(item)
+                    for pull in result.kv_pulls:
+                        self._role.on_pull(pull)
+                    for out in result.outputs:
+                        self._role.on_output(out)
+                        self.deliver(out.request_id, out)
                 self._stats = self._read_stats()
         except Exception as err:  # noqa: BLE001 - any engine failure makes the engine dead for good
             log.exception("engine loop failed")
@@ -182,12 +199,6 @@ class InProcessExecutor(EngineClient):
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-
-    def _deliver(self, item: RequestOutput | KVPull) -> None:
-        with self._lock:
-            stream = self._streams.get(item.request_id)
-        if stream is not None:
-            stream.put(item)
 
     def _read_stats(self) -> dict[str, int]:
         e = self._engine

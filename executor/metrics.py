@@ -32,11 +32,42 @@ class ServerMetrics:
         self.generation_tokens = Counter("pdserve_server_generation_tokens", "Output tokens", registry=r)
         self.kv_free_blocks = Gauge("pdserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
         self.kv_total_blocks = Gauge("pdserve_kv_cache_total_blocks", "KV blocks in the cache", registry=r)
-        self.kv_parked = Gauge("pdserve_kv_parked_leases", "Parked KV leases (ctx)", registry=r)
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved", ["direction"], registry=r)
         self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one KV transfer",
                                     ["direction"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_leases = Counter("pdserve_kv_leases_freed", "Leases freed by reason", ["reason"], registry=r)
         self.info = Gauge("pdserve_server_info", "Constant 1, labelled with the server's role and KV backend",
                           ["role", "kv_backend"], registry=r)
         self.info.labels(role=role, kv_backend=kv_backend).set(1)
+
+
+class RoleStatsCollector:
+    """Exports the worker side's KV counters (read from ``stats()`` at scrape time).
+
+    The KV transceiver runs next to the engine, so its counters arrive as a stats snapshot rather
+    than through this process's metric objects.
+    """
+
+    _COUNTERS = {
+        "kv_bytes_sent": ("pdserve_kv_transfer_sent_bytes", "KV bytes served to gen servers"),
+        "kv_send_seconds": ("pdserve_kv_transfer_send_seconds", "Seconds spent serving KV pulls"),
+        "kv_sends": ("pdserve_kv_transfer_sends", "KV pulls served"),
+        "kv_bytes_received": ("pdserve_kv_transfer_received_bytes", "KV bytes pulled from ctx servers"),
+        "kv_receive_seconds": ("pdserve_kv_transfer_receive_seconds", "Seconds spent pulling KV"),
+        "kv_pulls": ("pdserve_kv_transfer_pulls", "Successful KV pulls"),
+        "kv_pull_failures": ("pdserve_kv_transfer_pull_failures", "Failed KV pulls"),
+        "leases_expired": ("pdserve_kv_leases_expired", "Parked KV leases freed by their timer"),
+        "leases_released": ("pdserve_kv_leases_released", "Parked KV leases released after a pull or a cancel"),
+    }
+
+    def __init__(self, stats) -> None:
+        self._stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self._stats()
+        for key, (name, doc) in self._COUNTERS.items():
+            if key in stats:
+                yield CounterMetricFamily(name, doc, value=stats[key])
+        if "parked_leases" in stats:
+            yield GaugeMetricFamily("pdserve_kv_parked_leases", "Parked KV leases", value=stats["parked_leases"])

@@ -33,6 +33,9 @@ class PhaseError(RuntimeError):
         self.status = status
         self.kind = kind
 
+    def __reduce__(self):  # keep status and kind when the error crosses a process boundary
+        return (PhaseError, (str(self), self.status, self.kind))
+
 
 class PhaseHandler(Protocol):
     """Runs one request type. Yields outputs until one is ``finished``.

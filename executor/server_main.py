@@ -8,6 +8,7 @@ server.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
@@ -19,15 +20,27 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from executor.http_server import ServerState, create_server_app
 from executor.inproc_executor import InProcessExecutor
-from executor.metrics import ServerMetrics
+from executor.kv_role import WorkerRole
+from executor.metrics import RoleStatsCollector, ServerMetrics
 from executor.phases import ColocatedPhase
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
 from pdserve.protocol import KVLayoutModel
 
 log = logging.getLogger("pdserve.server")
 
-# A role plugs its phase handler(s), routes and shutdown hooks into the server state.
-RoleSetup = Callable[[ServerState, "InProcessExecutor"], None]
+# Each role names two plugins by import path, so that the executor never imports the role
+# packages (arrows point ctx_worker/gen_worker -> executor): the worker side (next to the engine:
+# KV parking, serving, pulling) and the frontend side (phase handlers and routes).
+ROLE_PLUGINS: dict[str, tuple[str, str]] = {
+    "ctx": ("ctx_worker.kv_role:make_worker_role", "ctx_worker.context_phase:setup_ctx_frontend"),
+    "gen": ("gen_worker.kv_role:make_worker_role", "gen_worker.generation_phase:setup_gen_frontend"),
+}
+
+
+def load_plugin(path: str) -> Callable:
+    """Import ``module:attribute``."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def engine_config(cfg: ServerConfig) -> EngineConfig:
@@ -45,7 +58,7 @@ def kv_layout(cfg: ServerConfig, engine: LLMEngine) -> KVLayoutModel:
                          head_dim=mc.head_dim, block_size=cfg.engine.block_size, dtype=cfg.engine.dtype)
 
 
-def build_state(cfg: ServerConfig, setup: RoleSetup) -> ServerState:
+def build_state(cfg: ServerConfig) -> ServerState:
     """Load the engine, start its loop and wire the role in. Raises whatever loading raises."""
     t0 = time.perf_counter()
     log.info("%s[%d]: loading %s (%s, %d KV blocks of %d tokens)", cfg.role, cfg.index, cfg.model.path,
@@ -53,12 +66,17 @@ def build_state(cfg: ServerConfig, setup: RoleSetup) -> ServerState:
     engine = LLMEngine(engine_config(cfg))
     log.info("%s[%d]: engine ready in %.1f s (context window %d tokens)", cfg.role, cfg.index,
              time.perf_counter() - t0, engine.max_model_len)
-    executor = InProcessExecutor(engine)
+    make_role, setup_frontend = (load_plugin(p) for p in ROLE_PLUGINS[cfg.role])
+    layout = kv_layout(cfg, engine)
+    role: WorkerRole = make_role(cfg, layout)
+    executor = InProcessExecutor(engine, role)
+    metrics = ServerMetrics(cfg.role, cfg.kv_transfer.backend)
+    metrics.registry.register(RoleStatsCollector(executor.stats))
     state = ServerState(config=cfg, client=executor, handlers={"context_and_generation": ColocatedPhase(executor)},
-                        metrics=ServerMetrics(cfg.role, cfg.kv_transfer.backend), kv_layout=kv_layout(cfg, engine),
-                        kv_backend=cfg.kv_transfer.backend, vocab_size=engine.model_config.vocab_size)
+                        metrics=metrics, kv_layout=layout, kv_backend=cfg.kv_transfer.backend,
+                        vocab_size=engine.model_config.vocab_size)
     state.on_shutdown.append(executor.shutdown)
-    setup(state, executor)
+    setup_frontend(state)
     executor.start()
     return state
 
@@ -71,7 +89,7 @@ def parse_args(role: Role, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(role: Role, setup: RoleSetup, argv: list[str] | None = None) -> int:
+def main(role: Role, argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ctx_worker`` / ``python -m gen_worker``. Returns the exit code."""
     args = parse_args(role, argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role}[{args.index}] %(levelname)s %(name)s: %(message)s")
@@ -80,7 +98,7 @@ def main(role: Role, setup: RoleSetup, argv: list[str] | None = None) -> int:
     except (TopologyError, IndexError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    state = build_state(cfg, setup)
+    state = build_state(cfg)
     app = create_server_app(state)
     log.info("%s[%d]: serving on http://%s:%d", role, cfg.index, cfg.host, cfg.port)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)

@@ -3,7 +3,6 @@
 import sys
 
 from executor.server_main import main
-from gen_worker.generation_phase import setup_gen_role
 
 if __name__ == "__main__":
-    sys.exit(main("gen", setup_gen_role))
+    sys.exit(main("gen"))

@@ -1,0 +1,114 @@
+"""Worker side of the generation role: pull a request's KV from the ctx server into its blocks.
+
+When the engine admits a ``generation_only`` request it allocates blocks and asks for a
+:class:`engine.request.KVPull`; this role copies ``kv_block_count`` blocks from the ctx transceiver
+into them on a small thread pool (each pull bounded by ``kv_transfer.timeout_ms``) and then tells
+the engine (``kv_ready``) on the loop thread. A request aborted mid-pull keeps its blocks until the
+copy has stopped writing into them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest, KVPull
+from executor.kv_role import KVTransferDone, WorkerOps, WorkerRole
+from executor.phases import PhaseError
+from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens
+from kv_transfer.tcp_backend import TcpKVClient
+from kv_transfer.wire import KVTransferError
+from pdserve.config import KVTransferSettings
+from pdserve.protocol import DisaggregatedParams
+
+log = logging.getLogger(__name__)
+
+MAX_CONCURRENT_PULLS = 4
+
+
+class GenKVRole(WorkerRole):
+    """Pulls the KV of ``generation_only`` requests."""
+
+    name = "gen"
+
+    def __init__(self, settings: KVTransferSettings, layout: KVLayout) -> None:
+        self.settings, self.layout = settings, layout
+        self.client = TcpKVClient(layout)
+        self._sources: dict[str, DisaggregatedParams] = {}
+        self._in_flight: dict[str, bool] = {}  # request id -> aborted while pulling
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
+        self._received = {"kv_bytes_received": 0, "kv_receive_seconds": 0.0, "kv_pulls": 0, "kv_pull_failures": 0}
+
+    def start(self, engine: LLMEngine, ops: WorkerOps) -> None:
+        self.engine, self.ops = engine, ops
+
+    def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
+        if disagg is not None and disagg.request_type == "generation_only":
+            self._sources[request.request_id] = disagg
+
+    def on_pull(self, pull: KVPull) -> None:
+        src = self._sources.pop(pull.request_id, None)
+        if src is None:
+            self._fail(pull.request_id, "no KV source for this request (not a generation_only request)", 500)
+            return
+        num_blocks = src.kv_block_count or blocks_for_tokens(pull.num_tokens, self.layout.block_size)
+        if num_blocks > len(pull.block_ids):
+            self._fail(pull.request_id, f"ctx holds {num_blocks} KV blocks; the engine allocated {len(pull.block_ids)}", 500)
+            return
+        with self._lock:
+            self._in_flight[pull.request_id] = False
+        self._pool.submit(self._pull, pull, src, pull.block_ids[:num_blocks])
+
+    def _pull(self, pull: KVPull, src: DisaggregatedParams, dst: list[int]) -> None:
+        rid, t0 = pull.request_id, time.perf_counter()
+        error: str | None = None
+        try:
+            nbytes = self.client.pull(src.kv_endpoint, src.ctx_request_id, src.kv_layout, self.engine.kv_cache,
+                                      dst, self.settings.timeout_ms / 1000.0)
+        except (KVTransferError, KVLayoutMismatch) as err:
+            error = f"KV transfer failed: {err}"
+        except Exception as err:  # noqa: BLE001 - a pull thread must always report back
+            log.exception("KV pull crashed")
+            error = f"KV transfer failed: {type(err).__name__}: {err}"
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            aborted = self._in_flight.pop(rid, False)
+            key = "kv_pull_failures" if error else "kv_pulls"
+            self._received[key] += 1
+            if not error:
+                self._received["kv_bytes_received"] += nbytes
+                self._received["kv_receive_seconds"] += seconds
+        if error:
+            self._fail(rid, error, 502)
+        elif not aborted:
+            self.ops.deliver(rid, KVTransferDone(rid, nbytes, seconds))
+        ok = error is None and not aborted
+        self.ops.post(lambda engine: engine.kv_ready(rid, ok))
+
+    def _fail(self, rid: str, message: str, status: int) -> None:
+        log.warning("request %s: %s", rid, message)
+        self.ops.deliver(rid, PhaseError(message, status, "kv_transfer_error"))
+
+    def intercept_abort(self, request_id: str) -> bool:
+        self._sources.pop(request_id, None)
+        with self._lock:
+            if request_id in self._in_flight:
+                self._in_flight[request_id] = True  # freed by kv_ready(ok=False) once the copy stops
+                return True
+        return False
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._received)
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def make_worker_role(cfg, layout: KVLayout) -> GenKVRole:
+    """The gen worker role of one server (``cfg``: :class:`pdserve.config.ServerConfig`)."""
+    return GenKVRole(cfg.kv_transfer, layout)
