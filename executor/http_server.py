@@ -80,6 +80,8 @@ class ServerState:
     kv_backend: str
     vocab_size: int
     routers: list[APIRouter] = field(default_factory=list)
+    frontend_id: int = 0  # which frontend of the server this process is (x-pdserve-frontend header)
+    on_startup: list[Callable[[], None]] = field(default_factory=list)
     on_shutdown: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
 
@@ -116,11 +118,31 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise ApiError(422, format_validation_error(err).replace("\n", "; ")) from None
 
 
+class FrontendHeader:
+    """Pure ASGI middleware adding ``x-pdserve-frontend: <id>`` to every response (streams included)."""
+
+    def __init__(self, app, frontend_id: int) -> None:
+        self.app, self.value = app, str(frontend_id).encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-pdserve-frontend", self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 def create_server_app(state: ServerState) -> FastAPI:
     """The FastAPI app of one server. Its lifespan runs ``state.on_shutdown`` at exit."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        for start in state.on_startup:
+            start()
         yield
         for stop in reversed(state.on_shutdown):
             result = stop()
@@ -130,6 +152,8 @@ def create_server_app(state: ServerState) -> FastAPI:
     app = FastAPI(title=f"pdserve {state.config.role} server", lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app)
+    app.add_middleware(FrontendHeader, frontend_id=state.frontend_id)
+
     _add_info_routes(app, state)
     for router in state.routers:
         app.include_router(router)

@@ -1,8 +1,13 @@
 """Start one ctx or gen server from a topology file: ``python -m ctx_worker --config FILE --index N``.
 
-Order matters: the engine (weights, tokenizer, KV cache) is loaded *before* the HTTP port opens, so
-a server that accepts connections is ready to serve and ``/health`` is never 200 for a half-built
-server.
+Two executors (``engine.executor`` in the topology):
+- ``mpi`` (default): the lattice. This process is frontend 0: its proxy launches the worker ranks
+  over MPI and waits for their READY, then it re-execs ``num_frontends - 1`` attached frontends;
+  all frontends serve the same port (SO_REUSEPORT).
+- ``inproc``: the engine loop runs in a thread of this process (tests, debugging).
+
+Order matters: the port is bound first (a conflict fails fast, before any weights load) but only
+listens once the engine is ready, so a server that accepts connections is ready to serve.
 """
 
 from __future__ import annotations
@@ -10,17 +15,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import uvicorn
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from executor import registration
 from executor.http_server import ServerState, create_server_app
-from executor.inproc_executor import InProcessExecutor
-from executor.kv_role import WorkerRole
 from executor.metrics import RoleStatsCollector, ServerMetrics
 from executor.phases import ColocatedPhase
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
@@ -43,63 +48,135 @@ def load_plugin(path: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-def engine_config(cfg: ServerConfig) -> EngineConfig:
+def engine_config(cfg: ServerConfig):
     """Map the topology's engine settings onto the engine's own config."""
+    from engine.config import EngineConfig
+
     e = cfg.engine
     return EngineConfig(model=cfg.model.path, dtype=e.dtype, block_size=e.block_size, num_kv_blocks=e.num_kv_blocks,
                         max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
                         max_model_len=e.max_model_len, num_threads=e.num_threads)
 
 
-def kv_layout(cfg: ServerConfig, engine: LLMEngine) -> KVLayoutModel:
+def kv_layout(cfg: ServerConfig, engine) -> KVLayoutModel:
     """This server's KV layout (single rank: tp_rank 0 of 1)."""
     mc = engine.model_config
     return KVLayoutModel(model=cfg.model.name, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                          head_dim=mc.head_dim, block_size=cfg.engine.block_size, dtype=cfg.engine.dtype)
 
 
-def build_state(cfg: ServerConfig) -> ServerState:
-    """Load the engine, start its loop and wire the role in. Raises whatever loading raises."""
+def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int) -> ServerState:
+    """The HTTP state of one frontend, with the role's handlers and routes added."""
+    metrics = ServerMetrics(cfg.role, cfg.kv_transfer.backend)
+    metrics.registry.register(RoleStatsCollector(client.stats))
+    state = ServerState(config=cfg, client=client, handlers={"context_and_generation": ColocatedPhase(client)},
+                        metrics=metrics, kv_layout=layout, kv_backend=cfg.kv_transfer.backend, vocab_size=vocab_size)
+    load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
+    return state
+
+
+def build_inproc_state(cfg: ServerConfig) -> ServerState:
+    """Load the engine in this process and run its loop in a thread."""
+    from engine.llm_engine import LLMEngine
+    from executor.inproc_executor import InProcessExecutor
+
     t0 = time.perf_counter()
-    log.info("%s[%d]: loading %s (%s, %d KV blocks of %d tokens)", cfg.role, cfg.index, cfg.model.path,
-             cfg.engine.dtype, cfg.engine.num_kv_blocks, cfg.engine.block_size)
     engine = LLMEngine(engine_config(cfg))
     log.info("%s[%d]: engine ready in %.1f s (context window %d tokens)", cfg.role, cfg.index,
              time.perf_counter() - t0, engine.max_model_len)
-    make_role, setup_frontend = (load_plugin(p) for p in ROLE_PLUGINS[cfg.role])
     layout = kv_layout(cfg, engine)
-    role: WorkerRole = make_role(cfg, layout)
-    executor = InProcessExecutor(engine, role)
-    metrics = ServerMetrics(cfg.role, cfg.kv_transfer.backend)
-    metrics.registry.register(RoleStatsCollector(executor.stats))
-    state = ServerState(config=cfg, client=executor, handlers={"context_and_generation": ColocatedPhase(executor)},
-                        metrics=metrics, kv_layout=layout, kv_backend=cfg.kv_transfer.backend,
-                        vocab_size=engine.model_config.vocab_size)
+    executor = InProcessExecutor(engine, load_plugin(ROLE_PLUGINS[cfg.role][0])(cfg, layout))
+    state = make_state(cfg, executor, layout, engine.model_config.vocab_size)
     state.on_shutdown.append(executor.shutdown)
-    setup_frontend(state)
     executor.start()
     return state
+
+
+def build_lattice_state(cfg: ServerConfig, log_dir: Path) -> ServerState:
+    """Frontend 0: launch the ranks (proxy), attach a lattice client, start the attached frontends."""
+    from executor.frontends import AttachedFrontends, lattice_state
+    from executor.proxy import Proxy
+
+    t0 = time.perf_counter()
+    proxy = Proxy(cfg, cfg.engine.num_frontends, log_dir / f"{cfg.role}{cfg.index}.ranks.log")
+    info = proxy.start(cfg.engine.worker_start_timeout_s)
+    log.info("%s[%d]: %d worker rank(s) ready in %.1f s", cfg.role, cfg.index, cfg.engine.tp_size, time.perf_counter() - t0)
+    state, client = lattice_state(cfg, info)
+
+    def watch_ranks() -> None:  # second death path: the MPI job itself ended
+        proxy.exited.wait()
+        time.sleep(0.2)  # let the pidfd monitor name the rank when a rank's death ended the job
+        client.die_if_alive(f"worker ranks exited (mpiexec exit code {proxy.proc.returncode})")
+
+    threading.Thread(target=watch_ranks, name="mpiexec-watch", daemon=True).start()
+    attached = AttachedFrontends(info, cfg, log_dir)
+    attached.start()
+    attached.wait_ready(cfg.engine.worker_start_timeout_s)
+
+    async def stop() -> None:
+        attached.stop()
+        if client.state.value != "dead":
+            client.send_engine_shutdown()  # frontend 0 only: attached frontends never send it
+        await client.shutdown()
+        proxy.stop()
+
+    state.on_shutdown.append(stop)
+    return state
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound with SO_REUSEPORT (shared by every frontend of the server)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve(state: ServerState, sock: socket.socket) -> None:
+    """Run uvicorn on an already bound socket until SIGINT/SIGTERM."""
+    config = uvicorn.Config(create_server_app(state), log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def parse_args(role: Role, argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=f"Run one pdserve {role} server.")
     p.add_argument("--config", required=True, help="topology YAML file")
     p.add_argument("--index", type=int, default=0, help=f"which server of pools.{role}.servers (default 0)")
+    p.add_argument("--log-dir", default="logs", help="where the worker ranks' log goes (default: logs)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--host", default=None, help="bind host (default: the topology's)")  # control plane:
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the topology's; 0 = any free)")
     return p.parse_args(argv)
 
 
 def main(role: Role, argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ctx_worker`` / ``python -m gen_worker``. Returns the exit code."""
     args = parse_args(role, argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role}[{args.index}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {role}[{args.index}] %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_topology(args.config).server_config(role, args.index)
+        cfg = load_topology(args.config).server_config(role, args.index, host=args.host, port=args.port)
     except (TopologyError, IndexError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    state = build_state(cfg)
-    app = create_server_app(state)
+    sock = bind_socket(cfg.host, cfg.port)
+    cfg = registration.with_bound_port(cfg, sock)  # control plane: --port 0
+    log.info("%s[%d]: loading %s (%s executor, %s, %d KV blocks of %d tokens)", role, cfg.index, cfg.model.path,
+             cfg.engine.executor, cfg.engine.dtype, cfg.engine.num_kv_blocks, cfg.engine.block_size)
+    if cfg.engine.executor == "inproc":
+        state = build_inproc_state(cfg)
+    else:
+        from executor.proxy import StartupError
+
+        try:
+            state = build_lattice_state(cfg, Path(args.log_dir))
+        except StartupError as err:
+            log.error("start-up failed: %s", err)
+            print(f"error: {err}", file=sys.stderr)
+            return 3
+    registration.attach(state)  # control plane: /tokenizer, /admin/drain, register + heartbeat
     log.info("%s[%d]: serving on http://%s:%d", role, cfg.index, cfg.host, cfg.port)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    serve(state, sock)
     return 0

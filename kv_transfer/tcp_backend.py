@@ -132,6 +132,12 @@ class TcpKVClient:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
 
+    def start(self) -> None:
+        """Nothing to start (one connection per pull); here so that clients are interchangeable."""
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
     def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
              kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float) -> int:
         """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``,

@@ -1,7 +1,8 @@
-"""Framing of the KV transceiver's control messages: a 4-byte big-endian length, then JSON.
+"""Framing of the KV transceivers' control messages: a 4-byte big-endian length, then JSON.
 
-Bulk KV bytes follow a ``pull`` answer unframed (the header says how many). JSON only: nothing
-pickled ever crosses a network socket.
+Both backends use the same frames (TCP over a socket, UCX as tagged messages). Bulk KV bytes
+follow a ``pull`` answer unframed (the header says how many). JSON only: nothing pickled ever
+crosses the wire.
 """
 
 from __future__ import annotations
@@ -17,9 +18,36 @@ class KVTransferError(RuntimeError):
     """A KV pull failed: peer unreachable, refused (lease gone, layout mismatch), or timed out."""
 
 
-def send_msg(sock: socket.socket, msg: dict) -> None:
+def pack_msg(msg: dict) -> bytes:
+    """One control frame: 4-byte big-endian length, then the JSON body."""
     data = json.dumps(msg).encode()
-    sock.sendall(struct.pack(">I", len(data)) + data)
+    if len(data) > MAX_HEADER_BYTES:
+        raise KVTransferError(f"control message of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    return struct.pack(">I", len(data)) + data
+
+
+def unpack_msg(frame: bytes | memoryview) -> dict:
+    """Parse a frame made by :func:`pack_msg` (trailing bytes after the body are ignored)."""
+    if len(frame) < 4:
+        raise KVTransferError("bad control message: shorter than its length prefix")
+    (size,) = struct.unpack(">I", bytes(frame[:4]))
+    if size > min(MAX_HEADER_BYTES, len(frame) - 4):
+        raise KVTransferError(f"bad control message: length {size} exceeds the {len(frame) - 4} bytes received")
+    return _decode(bytes(frame[4:4 + size]))
+
+
+def _decode(body: bytes | bytearray) -> dict:
+    try:
+        msg = json.loads(body)
+    except json.JSONDecodeError as err:
+        raise KVTransferError(f"bad control message: {err}") from None
+    if not isinstance(msg, dict):
+        raise KVTransferError("bad control message: not a JSON object")
+    return msg
+
+
+def send_msg(sock: socket.socket, msg: dict) -> None:
+    sock.sendall(pack_msg(msg))
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
@@ -41,13 +69,7 @@ def recv_msg(sock: socket.socket) -> dict:
         raise KVTransferError(f"control message of {size} bytes exceeds {MAX_HEADER_BYTES}")
     body = bytearray(size)
     recv_exact_into(sock, memoryview(body))
-    try:
-        msg = json.loads(body)
-    except json.JSONDecodeError as err:
-        raise KVTransferError(f"bad control message: {err}") from None
-    if not isinstance(msg, dict):
-        raise KVTransferError("bad control message: not a JSON object")
-    return msg
+    return _decode(body)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

@@ -1,0 +1,11 @@
+"""pdserve engine: paged-KV Llama inference with continuous batching and P/D hand-off."""
+from engine.config import EngineConfig
+from engine.errors import RequestValidationError
+from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
+from engine.request import EngineRequest, KVPull, Phase, RequestOutput, StepResult
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+__all__ = ["EngineConfig", "EngineRequest", "KVPull", "LLMEngine", "ModelConfig", "Phase",
+           "RequestOutput", "RequestValidationError", "SamplingParams", "StepResult", "Tokenizer"]

@@ -1,0 +1,101 @@
+"""Attention over the paged, block-major KV cache.
+
+kv_cache layout: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim].
+The batch is laid out with all decode tokens first (one per sequence), then prefill chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of query tokens [start, start+length) whose context is ctx_len tokens."""
+
+    start: int
+    length: int
+    ctx_len: int
+    block_ids: torch.Tensor      # [ceil(ctx_len / block_size)] int64
+    mask: torch.Tensor | None    # [length, ctx_len] bool, None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step indices shared by all layers."""
+
+    slot_blocks: torch.Tensor          # [T] block id of each new token
+    slot_offsets: torch.Tensor         # [T] offset inside that block
+    num_decodes: int                   # D: tokens 0..D-1 are single-token decodes
+    decode_tables: torch.Tensor | None  # [D, max_blocks] int64 (padded with block 0)
+    decode_max_ctx: int                # longest decode context in tokens
+    decode_mask: torch.Tensor | None   # [D, 1, 1, decode_max_ctx] bool; None when D == 1
+    prefills: list[PrefillChunk]
+
+
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store k, v: [T, kv_heads, head_dim] into the layer views cache_k/v: [N, bs, kv_heads, hd]."""
+    cache_k[meta.slot_blocks, meta.slot_offsets] = k
+    cache_v[meta.slot_blocks, meta.slot_offsets] = v
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int,
+            group: int) -> torch.Tensor:
+    """Blocks [..., nb] of a layer view -> contiguous [..., heads, ctx_len, head_dim] (a copy).
+
+    index_select (not `cache[ids]`) and a contiguous, GQA-expanded result: both are many times
+    faster on CPU than advanced indexing of the strided view and SDPA's enable_gqa path.
+    """
+    x = cache.index_select(0, block_ids.flatten())         # [D*nb, bs, kvh, hd]
+    x = x.view(*block_ids.shape, *cache.shape[1:])          # [..., nb, bs, kvh, hd]
+    x = x.flatten(-4, -3)[..., :ctx_len, :, :]             # [..., ctx, kvh, hd]
+    return _expand_heads(x.transpose(-3, -2), group)
+
+
+def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., kvh, S, hd] -> contiguous [..., kvh*group, S, hd] (each KV head serves `group` q heads)."""
+    return x.repeat_interleave(group, dim=-3) if group > 1 else x.contiguous()
+
+
+def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+    """q: [D, heads, hd] -> [D, heads, hd]."""
+    group = q.shape[1] // cache_k.shape[2]
+    k = _gather(cache_k, meta.decode_tables, meta.decode_max_ctx, group)   # [D, heads, S, hd]
+    v = _gather(cache_v, meta.decode_tables, meta.decode_max_ctx, group)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask)
+    return out.squeeze(2)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+             cache_v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    """q: [L, heads, hd], k/v: [L, kvh, hd] of this chunk -> [L, heads, hd]."""
+    group = q.shape[1] // k.shape[1]
+    if chunk.mask is None:  # the chunk is the whole context: use it directly, causal
+        ks, vs = _expand_heads(k.transpose(0, 1), group), _expand_heads(v.transpose(0, 1), group)
+    else:
+        ks = _gather(cache_k, chunk.block_ids, chunk.ctx_len, group)
+        vs = _gather(cache_v, chunk.block_ids, chunk.ctx_len, group)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=chunk.mask,
+                                         is_causal=chunk.mask is None)
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                    cache_v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Write this step's k/v into the cache, then attend.
+
+    q: [T, heads, hd]; k, v: [T, kv_heads, hd]; cache_k/v: [num_blocks, block_size, kv_heads, hd]
+    views of one layer. Returns [T, heads, hd].
+    """
+    write_kv(cache_k, cache_v, k, v, meta)
+    parts = []
+    if meta.num_decodes:
+        parts.append(_decode(q[:meta.num_decodes], cache_k, cache_v, meta))
+    for chunk in meta.prefills:
+        s = slice(chunk.start, chunk.start + chunk.length)
+        parts.append(_prefill(q[s], k[s], v[s], cache_k, cache_v, chunk))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -1,0 +1,45 @@
+"""Engine configuration: one frozen dataclass passed down whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one LLMEngine.
+
+    model: "smollm2" alias, path to a .gguf file, or a HF directory (config.json + *.safetensors).
+    dtype: "float32" | "bfloat16" for weights, activations and the KV cache.
+    block_size: tokens per KV block; num_kv_blocks: blocks in the paged KV cache.
+    max_batch_size: max running sequences per step; max_num_tokens: token budget per step.
+    max_model_len: longest sequence (prompt + output) in tokens; None = min(model max positions,
+        num_kv_blocks * block_size).
+    num_threads: torch.set_num_threads(num_threads) at engine start when set.
+
+    Raises ValueError from __post_init__ when a value is out of range.
+    """
+
+    model: str
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_batch_size: int = 16
+    max_num_tokens: int = 2048
+    max_model_len: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("EngineConfig.model must be a non-empty string")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "num_kv_blocks", "max_batch_size", "max_num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"EngineConfig.num_threads must be positive, got {self.num_threads}")

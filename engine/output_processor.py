@@ -1,0 +1,49 @@
+"""Apply sampled tokens to sequences: detokenize, check stops, build RequestOutputs."""
+from __future__ import annotations
+
+from engine.request import RequestOutput
+from engine.sequence import Sequence
+from engine.stop_checker import find_stop_string, held_back_len, token_finish_reason
+
+
+class OutputProcessor:
+    """Knows the stop rules (EOS ids, max_model_len) shared by all requests."""
+
+    def __init__(self, eos_token_ids: list[int], max_model_len: int):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def add_token(self, seq: Sequence, token_id: int) -> str | None:
+        """Append token_id to seq and its text; return a finish reason or None."""
+        seq.append_token(token_id)
+        reason = token_finish_reason(seq, token_id, self.eos_token_ids, self.max_model_len)
+        delta = seq.detokenizer.push([token_id])
+        if reason is not None:
+            delta += seq.detokenizer.flush()
+        start = len(seq.output_text)
+        seq.output_text += delta
+        if seq.sampling.stop and delta:
+            idx = find_stop_string(seq.output_text, seq.sampling.stop, start)
+            if idx is not None:
+                seq.output_text = seq.output_text[:idx]
+                reason = "stop"
+        return reason
+
+    def take_output(self, seq: Sequence, parked_block_ids: list[int] | None = None
+                    ) -> RequestOutput:
+        """Drain what seq produced since the last call into a RequestOutput.
+
+        While running, a text tail that could begin a stop string is held back.
+        """
+        end = len(seq.output_text)
+        if not seq.finished and seq.sampling.stop:
+            end = max(seq.emitted_text_len, end - held_back_len(seq.output_text,
+                                                                seq.sampling.stop))
+        text = seq.output_text[seq.emitted_text_len:end]
+        seq.emitted_text_len = end
+        tokens, seq.pending_token_ids = seq.pending_token_ids, []
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=tokens, new_text=text,
+            finished=seq.finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            parked_block_ids=parked_block_ids)

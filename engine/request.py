@@ -1,0 +1,60 @@
+"""Request and result types exchanged with the engine's caller."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from engine.sampling_params import SamplingParams
+
+
+class Phase(str, Enum):
+    """Which part of the request this engine serves (disaggregated prefill/decode)."""
+
+    CONTEXT_AND_GENERATION = "context_and_generation"
+    CONTEXT_ONLY = "context_only"
+    GENERATION_ONLY = "generation_only"
+
+
+@dataclass
+class EngineRequest:
+    """A request. GENERATION_ONLY needs first_token_ids (the token(s) the ctx server sampled)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    phase: Phase = Phase.CONTEXT_AND_GENERATION
+    first_token_ids: list[int] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    new_text is the detokenized delta (stop strings excluded). num_output_tokens counts all output
+    tokens so far, first_token_ids included. parked_block_ids lists the blocks a CONTEXT_ONLY
+    request left allocated for hand-off (until release_parked/abort_request).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    parked_block_ids: list[int] | None = None
+
+
+@dataclass
+class KVPull:
+    """A GENERATION_ONLY request was admitted: fill block_ids with KV of prompt tokens 0..num_tokens-1."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]
+    kv_pulls: list[KVPull]

@@ -1,0 +1,152 @@
+"""Continuous-batching scheduler: FCFS, token budget, chunked prefill, preemption by recompute."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step runs: (sequence, number of new tokens) pairs, and admitted KV pulls."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    pulls: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns every sequence that holds or waits for KV blocks.
+
+    waiting: FCFS queue (preempted sequences go back to its front). running: scheduled each step,
+    in admission order. pulling: GENERATION_ONLY with blocks, waiting for kv_ready. parked:
+    CONTEXT_ONLY hand-offs whose blocks stay allocated until released.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pulling: dict[str, Sequence] = {}
+        self.parked: dict[str, list[int]] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work: running sequences first, then admit waiting ones."""
+        batch = ScheduledBatch()
+        budget = self.config.max_num_tokens
+        preempted = self._schedule_running(batch, budget)
+        budget -= sum(k for _, k in batch.items)
+        if not preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Give running sequences tokens; preempt the newest when blocks run out."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            k = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.bm.can_grow(seq.block_ids, seq.num_computed + k):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            self.bm.grow(seq.block_ids, seq.num_computed + k)
+            batch.items.append((seq, k))
+            budget -= k
+            i += 1
+        return preempted
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        max_seqs = self.config.max_batch_size
+        while self.waiting and len(self.running) + len(self.pulling) < max_seqs:
+            seq = self.waiting[0]
+            if seq.needs_kv_pull:
+                if not self._admit_pull(seq):
+                    return
+                batch.pulls.append(seq)
+                continue
+            if budget <= 0:
+                return
+            k = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.bm.can_grow(seq.block_ids, seq.num_computed + k):
+                return
+            self.bm.grow(seq.block_ids, seq.num_computed + k)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.items.append((seq, k))
+            budget -= k
+
+    def _admit_pull(self, seq: Sequence) -> bool:
+        # Room for the prompt and the first token(s), whose KV is computed here after the pull.
+        need = self.bm.blocks_needed(seq.num_tokens + len(seq.first_token_ids))
+        if not self.bm.can_allocate(need):
+            return False
+        seq.block_ids = self.bm.allocate(need)
+        self.waiting.popleft()
+        seq.status = SeqStatus.PULLING
+        self.pulling[seq.request_id] = seq
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and requeue it first; its tokens so far become the new prompt."""
+        self.running.remove(seq)
+        self.bm.deallocate(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def kv_arrived(self, request_id: str) -> Sequence | None:
+        """Move a pulling sequence to running; its prompt KV is now in its blocks."""
+        seq = self.pulling.pop(request_id, None)
+        if seq is not None:
+            seq.num_computed = seq.num_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        return seq
+
+    def finish(self, seq: Sequence, park: bool = False) -> None:
+        """Take seq out of scheduling; free its blocks, or park them for a hand-off."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pulling.pop(seq.request_id, None)
+        seq.status = SeqStatus.FINISHED
+        if park:
+            seq.parked = True
+            self.parked[seq.request_id] = seq.block_ids
+        else:
+            self.bm.deallocate(seq.block_ids)
+            seq.block_ids = []
+
+    def find(self, request_id: str) -> Sequence | None:
+        """A live (not finished) sequence by id."""
+        if request_id in self.pulling:
+            return self.pulling[request_id]
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def release_parked(self, request_id: str) -> bool:
+        blocks = self.parked.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.bm.deallocate(blocks)
+        return True

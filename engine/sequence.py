@@ -1,0 +1,65 @@
+"""Per-request state inside the engine."""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import EngineRequest, Phase
+
+
+class SeqStatus(Enum):
+    WAITING = auto()   # queued; no blocks (or freed by preemption)
+    PULLING = auto()   # GENERATION_ONLY: blocks allocated, waiting for kv_ready
+    RUNNING = auto()   # scheduled every step
+    FINISHED = auto()  # done (blocks freed, or parked for a CONTEXT_ONLY hand-off)
+
+
+class Sequence:
+    """Tokens, KV block table and output bookkeeping of one request.
+
+    token_ids = prompt + outputs. num_computed tokens have their KV in the cache; a step that brings
+    num_computed to len(token_ids) samples the next token. After preemption num_computed is 0 and
+    the whole token list is recomputed, so outputs already emitted are never produced again.
+    """
+
+    def __init__(self, req: EngineRequest, detokenizer: IncrementalDetokenizer):
+        self.request_id = req.request_id
+        self.sampling = req.sampling
+        self.phase = req.phase
+        self.first_token_ids = list(req.first_token_ids or [])
+        self.token_ids = list(req.prompt_token_ids)
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.num_computed = 0
+        self.block_ids: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.detokenizer = detokenizer
+        self.output_text = ""          # detokenized output, cut at a stop string
+        self.emitted_text_len = 0
+        self.pending_token_ids: list[int] = []   # produced but not yet returned to the caller
+        self.finish_reason: str | None = None
+        self.parked = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def needs_kv_pull(self) -> bool:
+        """GENERATION_ONLY that has not received its prompt KV yet."""
+        return self.phase is Phase.GENERATION_ONLY and self.num_output_tokens == 0
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.pending_token_ids.append(token_id)

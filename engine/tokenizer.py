@@ -1,0 +1,64 @@
+"""Tokenizer wrapper around a HF (tokenizers-backed) tokenizer, with the model's chat template."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.model_files import is_gguf
+
+log = logging.getLogger(__name__)
+
+
+def _generation_eos(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+class Tokenizer:
+    """encode/decode/apply_chat_template plus the EOS ids and vocabulary size.
+
+    `hf` is the underlying transformers tokenizer (save_pretrained writes its files).
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
+        self.hf = hf_tokenizer
+        ids = list(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in ids:
+            ids.append(hf_tokenizer.eos_token_id)
+        self.eos_token_ids: list[int] = ids
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @classmethod
+    def from_model_path(cls, path: Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+        """Load from a .gguf file or a HF directory (no network). Raises OSError if absent."""
+        from transformers import AutoTokenizer  # local: heavy import
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        eos = list(eos_token_ids or [])
+        if is_gguf(path):
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(path))
+            eos += [e for e in _generation_eos(path) if e not in eos]
+        return cls(hf, eos)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
+                            ) -> list[int]:
+        """Render messages with the model's own chat template and tokenize the result.
+
+        Raises ValueError when the tokenizer has no chat template.
+        """
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+        return self.encode(text, add_special_tokens=False)

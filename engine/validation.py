@@ -1,0 +1,38 @@
+"""Checks applied to a request before it is queued."""
+from __future__ import annotations
+
+from engine.errors import RequestValidationError
+from engine.request import EngineRequest, Phase
+
+
+def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) -> None:
+    """Raise RequestValidationError when req cannot be served by an engine with these limits.
+
+    max_model_len never exceeds the KV cache, so a request that fits it also fits the cache.
+    """
+    p = len(req.prompt_token_ids)
+    if p == 0:
+        raise RequestValidationError(f"request {req.request_id}: empty prompt")
+    if p >= max_model_len:
+        raise RequestValidationError(
+            f"request {req.request_id}: prompt has {p} tokens, max_model_len is {max_model_len}")
+    bad = [t for t in req.prompt_token_ids + list(req.first_token_ids or [])
+           if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestValidationError(f"request {req.request_id}: token ids out of range: {bad[:5]}")
+    try:
+        phase = Phase(req.phase)
+        req.sampling.validate()
+    except ValueError as e:
+        raise RequestValidationError(f"request {req.request_id}: {e}") from e
+    first = req.first_token_ids
+    if phase is Phase.GENERATION_ONLY:
+        if not first:
+            raise RequestValidationError(
+                f"request {req.request_id}: GENERATION_ONLY needs first_token_ids")
+        if p + len(first) > max_model_len:
+            raise RequestValidationError(
+                f"request {req.request_id}: prompt + first tokens exceed max_model_len")
+    elif first:
+        raise RequestValidationError(
+            f"request {req.request_id}: first_token_ids only go with GENERATION_ONLY")

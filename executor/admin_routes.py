@@ -1,0 +1,39 @@
+"""Control-plane routes of one ctx/gen server, added beside the OpenAI routes.
+
+* ``GET /tokenizer``: the HF ``tokenizer.json`` text, chat template and special tokens, so the
+  orchestrator can count and hash prompt tokens without torch (routing only).
+* ``POST /admin/drain`` (admin token): stop admitting requests; in-flight ones finish; ``/health``
+  turns 503 so the orchestrator routes nothing new here.
+
+Installed by :func:`executor.registration.attach` (frontend 0).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from executor.http_server import ServerState
+from pdserve.auth import admin_token, check_bearer
+from pdserve.protocol import error_body
+
+
+def admin_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    env = state.config.admin_token_env
+
+    @router.get("/tokenizer")
+    async def tokenizer() -> dict:
+        hf = state.client.tokenizer.hf
+        return {"tokenizer_json": hf.backend_tokenizer.to_str(), "chat_template": getattr(hf, "chat_template", None),
+                "bos_token": hf.bos_token, "eos_token": hf.eos_token, "model": state.config.model.name}
+
+    @router.post("/admin/drain")
+    async def drain(request: Request) -> JSONResponse:
+        refused = check_bearer(request.headers.get("authorization"), admin_token(env), env)
+        if refused is not None:
+            return JSONResponse(error_body(refused[1], "unauthorized", refused[0]), status_code=refused[0])
+        state.client.drain()
+        return JSONResponse({"state": state.client.state.value})
+
+    return router

@@ -1,0 +1,190 @@
+"""The proxy of frontend 0: private IPC directory, HMAC key, MPI launch of the worker ranks.
+
+Launch: ``mpiexec -n tp_size python -m executor.worker_main --ipc-dir DIR`` in its own process
+group. We launch through ``mpiexec`` (mpich's hydra, from the venv's ``bin/``) rather than
+``MPIPoolExecutor``'s dynamic spawn so that the HTTP process never joins the MPI job: a rank that
+dies then takes down its MPI job, never the frontend, and the frontend stays free to report it.
+The exit of ``mpiexec`` is the second death path (besides the pidfd monitor).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import zmq
+
+from executor.ipc import Codec, new_key
+from executor.monitor import RankProcess
+from pdserve.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+ATTACH_ENV = "PDSERVE_ATTACH"  # attach info for frontends 1..K-1 (popped on read)
+
+
+class StartupError(RuntimeError):
+    """The worker ranks did not come up; the message names the rank, the cause and the log file."""
+
+
+@dataclass
+class AttachInfo:
+    """What a frontend needs to join the lattice (JSON-able; the key travels hex-encoded)."""
+
+    ipc_dir: str
+    key_hex: str
+    ingress_addr: str
+    lane_addrs: list[str]
+    ranks: list[dict]           # RankProcess fields of every rank
+    worker_info: dict           # rank 0's READY info (max_model_len, vocab, layout, eos ids)
+    frontend_id: int = 0
+    server: dict = field(default_factory=dict)  # ServerConfig as JSON
+
+    def to_env(self, frontend_id: int) -> str:
+        return json.dumps({**asdict(self), "frontend_id": frontend_id})
+
+    @classmethod
+    def pop_from_env(cls) -> "AttachInfo":
+        """Read and remove the attach info from the environment. Raises KeyError if absent."""
+        return cls(**json.loads(os.environ.pop(ATTACH_ENV)))
+
+    def rank_processes(self) -> list[RankProcess]:
+        return [RankProcess(**r) for r in self.ranks]
+
+
+def mpiexec_path() -> str:
+    """``mpiexec`` next to this Python (the venv's bin/), else on PATH. Raises StartupError."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if not found:
+        raise StartupError("mpiexec not found: install the mpich wheel (pip install mpich) into this environment")
+    return found
+
+
+class Proxy:
+    """Creates the IPC directory and key, launches the ranks, runs the READY handshake."""
+
+    def __init__(self, cfg: ServerConfig, num_frontends: int, rank_log: Path) -> None:
+        self.cfg, self.num_frontends, self.rank_log = cfg, num_frontends, rank_log
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-{cfg.role}{cfg.index}-"))  # mode 0700
+        self.key = new_key()
+        (self.ipc_dir / "key").write_bytes(self.key)
+        os.chmod(self.ipc_dir / "key", 0o600)
+        self.codec = Codec(self.key)
+        self.ready_addr = f"ipc://{self.ipc_dir}/ready"
+        self.ingress_addr = f"ipc://{self.ipc_dir}/ingress"
+        self.lane_addrs = [f"ipc://{self.ipc_dir}/lane{i}" for i in range(num_frontends)]
+        self.proc: subprocess.Popen | None = None
+        self.exited = threading.Event()
+
+    def start(self, timeout_s: float) -> AttachInfo:
+        """Launch the ranks and wait for every READY (bounded by ``timeout_s``). Raises StartupError."""
+        tp = self.cfg.engine.tp_size
+        spec = {"server": self.cfg.model_dump(mode="json"), "role_plugin": _worker_plugin(self.cfg.role),
+                "ready_addr": self.ready_addr, "ingress_addr": self.ingress_addr, "lane_addrs": self.lane_addrs}
+        (self.ipc_dir / "spec.json").write_text(json.dumps(spec))
+        zctx = zmq.Context.instance()
+        router = zctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(self.ready_addr)
+        argv = [mpiexec_path(), "-n", str(tp), sys.executable, "-m", "executor.worker_main", "--ipc-dir", str(self.ipc_dir)]
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.rank_log.parent.mkdir(parents=True, exist_ok=True)
+        log.info("launching %d worker rank(s): %s (log: %s)", tp, " ".join(argv), self.rank_log)
+        with open(self.rank_log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        try:
+            ranks, info = self._handshake(router, tp, timeout_s)
+            for identity in ranks:
+                router.send_multipart([identity, self.codec.encode(("ack",))])
+        except StartupError:
+            self.stop()
+            raise
+        finally:
+            router.close()
+        threading.Thread(target=self._wait_exit, name="mpiexec-waiter", daemon=True).start()
+        return AttachInfo(ipc_dir=str(self.ipc_dir), key_hex=self.key.hex(), ingress_addr=self.ingress_addr,
+                          lane_addrs=self.lane_addrs, ranks=[asdict(r) for r in ranks.values()],
+                          worker_info=info, server=self.cfg.model_dump(mode="json"))
+
+    def _handshake(self, router: zmq.Socket, tp: int, timeout_s: float) -> tuple[dict[bytes, RankProcess], dict]:
+        deadline = time.monotonic() + timeout_s
+        hello: dict[int, tuple[int, int]] = {}
+        ready: dict[bytes, RankProcess] = {}
+        info: dict = {}
+        while len(ready) < tp:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(tp)) - {r.rank for r in ready.values()})
+                raise StartupError(f"worker rank(s) {missing} not ready within {timeout_s:g} s (log: {self.rank_log})")
+            if self.proc.poll() is not None:
+                raise StartupError(f"worker ranks exited during start-up (mpiexec exit code {self.proc.returncode}); "
+                                   f"ranks that said hello: {sorted(hello)}; log: {self.rank_log}\n{_tail(self.rank_log)}")
+            if not router.poll(int(min(left, 0.2) * 1000)):
+                continue
+            identity, data = router.recv_multipart()
+            msg = self.codec.try_decode(data)
+            if msg is None:
+                continue
+            if msg[0] == "hello":
+                hello[msg[1]] = (msg[2], msg[3])
+            elif msg[0] == "failed":
+                raise StartupError(f"worker rank {msg[1]} failed during start-up: {msg[2]} (log: {self.rank_log})")
+            elif msg[0] == "ready":
+                pid, start = hello[msg[1]]
+                ready[identity] = RankProcess(rank=msg[1], pid=pid, start_time=start)
+                if msg[1] == 0:
+                    info = msg[2]
+        return ready, info
+
+    def _wait_exit(self) -> None:
+        self.proc.wait()
+        self.exited.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for the ranks to exit (after a shutdown message), SIGTERM/SIGKILL their group, clean up."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("worker ranks did not exit within %.0f s; terminating them", timeout_s)
+                _signal_group(self.proc, signal.SIGTERM)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    _signal_group(self.proc, signal.SIGKILL)
+                    self.proc.wait(5)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _worker_plugin(role: str) -> str:
+    from executor.server_main import ROLE_PLUGINS
+
+    return ROLE_PLUGINS[role][0]
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

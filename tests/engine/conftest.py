@@ -1,0 +1,51 @@
+"""Shared fixtures: SmolLM2 engine and HF reference (loaded once per session), tiny Llama dir."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.model_files import resolve_model_path  # noqa: E402
+from engine.tiny import make_tiny_llama  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=512))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smollm2_engine) -> Path:
+    # Reuse the SmolLM2 tokenizer already loaded (reading it from GGUF again takes ~10 s).
+    tok_dir = tmp_path_factory.mktemp("smollm2_tokenizer")
+    smollm2_engine.tokenizer.hf.save_pretrained(str(tok_dir))
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", seed=0,
+                           tokenizer_from=str(tok_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_dir):
+    def make(**kw) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_dir), **kw))
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_engine_factory) -> LLMEngine:
+    return tiny_engine_factory(num_kv_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    from transformers import AutoModelForCausalLM
+    path = resolve_model_path("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()

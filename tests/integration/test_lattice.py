@@ -1,0 +1,159 @@
+"""The executor lattice with real processes: rank death, start-up failure, K frontends on one port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import TINY_NAME
+from tests.integration.procs import ROOT, Cluster, write_topology
+
+
+@pytest.fixture(scope="module")
+def two_gen_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
+    topo = write_topology(tmp_path_factory.mktemp("topo") / "lattice.yaml", str(tiny_model_dir), TINY_NAME,
+                          num_gen=2, engine={"num_frontends": 2})
+    return Cluster(topo, procs).start()
+
+
+def stream_body(max_tokens: int = 2000) -> dict:
+    return {"model": TINY_NAME, "prompt": "tell me everything", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+async def stream_until_end(client: httpx.AsyncClient, url: str, started: asyncio.Event) -> tuple[float, str]:
+    """Stream one request; return (monotonic end time, last data line)."""
+    last = ""
+    async with client.stream("POST", url + "/v1/completions", json=stream_body()) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                started.set()
+                if line != "data: [DONE]":
+                    last = line
+    return time.monotonic(), last
+
+
+def rank_pids(url: str) -> list[int]:
+    return [r["pid"] for r in httpx.get(url + "/server_info", timeout=5).json()["ranks"]]
+
+
+def test_kill_rank_under_16_streams(two_gen_cluster):
+    gen0, orch = two_gen_cluster.server_url("gen", 0), two_gen_cluster.url
+    (pid,) = rank_pids(gen0)
+
+    async def scenario():
+        started = asyncio.Event()
+        async with httpx.AsyncClient(timeout=60) as c:
+            tasks = [asyncio.create_task(stream_until_end(c, gen0, started)) for _ in range(16)]
+            await asyncio.wait_for(started.wait(), 30)
+            await asyncio.sleep(0.3)
+            t_kill = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            health = []
+            while time.monotonic() - t_kill < 1.0:
+                health.append((time.monotonic() - t_kill, (await c.get(gen0 + "/health")).status_code))
+                if health[-1][1] == 503:
+                    break
+                await asyncio.sleep(0.05)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return t_kill, health, results
+
+    t_kill, health, results = asyncio.run(scenario())
+    assert health[-1][1] == 503 and health[-1][0] < 1.0, health
+    for end, last in results:
+        assert end - t_kill < 2.0
+        assert "engine is dead" in json.loads(last[6:])["error"]["message"]
+    r = httpx.get(gen0 + "/health", timeout=5)
+    assert r.status_code == 503 and "rank 0" in r.json()["error"]["message"]
+    # New requests are refused at once, and the orchestrator routes around the dead server.
+    r = httpx.post(gen0 + "/v1/completions", json={**stream_body(4), "stream": False}, timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
+    time.sleep(1.0)  # a health poll interval or two
+    for _ in range(6):
+        r = httpx.post(orch + "/v1/completions", json={**stream_body(4), "stream": False}, timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_rank_crash_during_startup_is_a_startup_error(tiny_model_dir, tmp_path):
+    topo = write_topology(tmp_path / "crash.yaml", str(tiny_model_dir), TINY_NAME,
+                          engine={"worker_start_timeout_s": 60})
+    env = {**os.environ, "PDSERVE_TEST_CRASH_RANK": "0", "HF_HUB_OFFLINE": "1"}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "gen_worker", "--config", str(topo), "--log-dir", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert "worker rank 0 failed during start-up: RuntimeError: injected start-up crash" in p.stderr
+    assert str(tmp_path / "gen0.ranks.log") in p.stderr
+    assert "engine is dead" not in p.stderr
+
+
+@pytest.fixture(scope="module")
+def four_frontends(tiny_model_dir, procs, tmp_path_factory) -> str:
+    topo = write_topology(tmp_path_factory.mktemp("topo") / "k4.yaml", str(tiny_model_dir), TINY_NAME,
+                          engine={"num_frontends": 4})
+    cluster = Cluster(topo, procs)
+    url = cluster.server_url("gen")
+    procs.start("gen-k4", "-m", "gen_worker", "--config", str(topo), "--log-dir", str(procs.log_dir))
+    procs.wait_healthy("gen-k4", url)
+    return url
+
+
+def test_four_frontends_share_the_port(four_frontends):
+    url = four_frontends
+    deadline = time.monotonic() + 60
+    seen: dict[str, int] = {}
+    # Each request on a fresh connection: the kernel spreads connections over the 4 listeners.
+    while time.monotonic() < deadline and (sum(seen.values()) < 200 or len(seen) < 4):
+        with httpx.Client(timeout=10) as c:
+            r = c.get(url + "/health")
+        assert r.status_code == 200
+        fid = r.headers["x-pdserve-frontend"]
+        seen[fid] = seen.get(fid, 0) + 1
+        if sum(seen.values()) >= 400:
+            break
+    assert set(seen) == {"0", "1", "2", "3"}, seen
+
+
+def test_streams_come_back_to_the_frontend_that_took_them(four_frontends):
+    url = four_frontends
+    body = {"model": TINY_NAME, "prompt": "alpha beta", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    reference = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+
+    async def one(i: int) -> tuple[str, str]:
+        async with httpx.AsyncClient(timeout=30) as c:  # one connection per request
+            text = []
+            async with c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+                fid = r.headers["x-pdserve-frontend"]
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+            return fid, "".join(text)
+
+    async def all_of_them():
+        return await asyncio.gather(*[one(i) for i in range(32)])
+
+    results = asyncio.run(all_of_them())
+    assert all(text == reference for _, text in results)
+    assert len({fid for fid, _ in results}) >= 2
+
+
+def test_attached_frontend_serves_health_and_metrics(four_frontends):
+    url = four_frontends
+    got = {}
+    for _ in range(200):
+        with httpx.Client(timeout=10) as c:
+            r = c.get(url + "/metrics")
+        got.setdefault(r.headers["x-pdserve-frontend"], r)
+        if len(got) == 4:
+            break
+    for fid, r in got.items():
+        assert r.status_code == 200 and "pdserve_kv_cache_free_blocks" in r.text, fid
