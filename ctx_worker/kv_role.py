@@ -17,7 +17,7 @@ from executor.kv_role import KVHandoff, WorkerOps, WorkerRole
 from executor.phases import PhaseError
 from kv_transfer.layout import KVLayout, blocks_for_tokens
 from kv_transfer.lease import LeaseTable
-from kv_transfer.tcp_backend import TcpKVServer
+from kv_transfer.factory import KVServer, make_kv_server
 from pdserve.config import KVTransferSettings
 from pdserve.protocol import DisaggregatedParams
 
@@ -41,13 +41,13 @@ class CtxKVRole(WorkerRole):
         self._lock = threading.Lock()
         self._sent = {"kv_bytes_sent": 0, "kv_send_seconds": 0.0, "kv_sends": 0}
         self.leases: LeaseTable | None = None
-        self.server: TcpKVServer | None = None
+        self.server: KVServer | None = None
 
     def start(self, engine: LLMEngine, ops: WorkerOps) -> None:
         self.ops = ops
         self.leases = LeaseTable(self._on_free)
-        self.server = TcpKVServer(engine.kv_cache, self.layout, self.leases, self.host, self.port,
-                                  timeout_s=self.settings.timeout_ms / 1000.0, on_sent=self._on_sent)
+        self.server = make_kv_server(self.settings.backend, engine.kv_cache, self.layout, self.leases, self.host,
+                                     self.port, timeout_s=self.settings.timeout_ms / 1000.0, on_sent=self._on_sent)
         self.leases.start()
         self.server.start()
 

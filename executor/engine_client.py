@@ -93,6 +93,10 @@ class EngineClient(abc.ABC):
         """Snapshot: ``free_blocks``, ``total_blocks`` and the role's KV counters."""
 
     @abc.abstractmethod
+    async def fresh_stats(self) -> dict:
+        """Like :meth:`stats`, but read from the engine now (a round trip in the lattice)."""
+
+    @abc.abstractmethod
     def drain(self) -> None:
         """Stop admitting new requests; in-flight ones finish."""
 

@@ -200,7 +200,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/server_info")
     async def server_info() -> dict:
-        stats = state.client.stats()
+        try:
+            stats = await state.client.fresh_stats()
+        except (TimeoutError, EngineDeadError):
+            stats = {**state.client.stats(), "stale": True}
         return {"role": cfg.role, "index": cfg.index, "model": cfg.model.name, "state": state.client.state.value,
                 "kv_layout": state.kv_layout.model_dump(), "kv_backend": state.kv_backend,
                 "max_model_len": state.client.max_model_len, **stats}

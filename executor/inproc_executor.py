@@ -105,6 +105,9 @@ class InProcessExecutor(EngineClient):
     def stats(self) -> dict:
         return {**self._stats, **self._role.stats()}
 
+    async def fresh_stats(self) -> dict:
+        return self.stats()
+
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, request: EngineRequest,
                        disagg: DisaggregatedParams | None = None) -> AsyncIterator[object]:

@@ -120,12 +120,22 @@ class LatticeClient(EngineClient):
     async def release_lease(self, ctx_request_id: str) -> bool:
         if self._state == EngineState.DEAD:
             return False
+        return bool(await self._call("release", ctx_request_id))
+
+    async def fresh_stats(self) -> dict:
+        if self._state == EngineState.DEAD:
+            return self.stats()
+        return {**await self._call("stats"), "ipc_rejected_frontend": self.codec.rejected,
+                "frontend_id": self.frontend_id, "ranks": self.info.ranks}
+
+    async def _call(self, kind: str, *args: object) -> object:
+        """A request/reply with rank 0, bounded by REPLY_TIMEOUT_S (raises TimeoutError)."""
         call_id = make_client_id(self.frontend_id, next(self._seq))
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send(("release", call_id, call_id, ctx_request_id))
+        self._send((kind, call_id, call_id, *args))
         try:
-            return bool(await asyncio.wait_for(fut, REPLY_TIMEOUT_S))
+            return await asyncio.wait_for(fut, REPLY_TIMEOUT_S)
         finally:
             self._calls.pop(call_id, None)
 

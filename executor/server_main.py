@@ -67,10 +67,13 @@ def kv_layout(cfg: ServerConfig, engine) -> KVLayoutModel:
 
 def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int) -> ServerState:
     """The HTTP state of one frontend, with the role's handlers and routes added."""
-    metrics = ServerMetrics(cfg.role, cfg.kv_transfer.backend)
+    from kv_transfer.factory import resolve_backend
+
+    backend = resolve_backend(cfg.kv_transfer.backend)
+    metrics = ServerMetrics(cfg.role, backend)
     metrics.registry.register(RoleStatsCollector(client.stats))
     state = ServerState(config=cfg, client=client, handlers={"context_and_generation": ColocatedPhase(client)},
-                        metrics=metrics, kv_layout=layout, kv_backend=cfg.kv_transfer.backend, vocab_size=vocab_size)
+                        metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size)
     load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
     return state
 

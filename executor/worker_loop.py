@@ -6,7 +6,8 @@ Sockets (all ``ipc://`` in the server's private directory):
 - wake: an inproc PUSH/PULL pair through which role threads (KV pulls, lease timer) wake the loop.
 
 Frontend → worker messages: ``("add", client_id, EngineRequest, disagg)``, ``("abort", request_id)``,
-``("release", client_id, call_id, ctx_request_id)``, ``("drain",)``, ``("shutdown",)``.
+``("release", client_id, call_id, ctx_request_id)``, ``("stats", client_id, call_id)``, ``("drain",)``,
+``("shutdown",)``.
 Worker → frontend messages: a list of up to ``MAX_BATCH`` items per zmq message, each
 ``("out", request_id, item)``, ``("reply", call_id, value)``, ``("stats", dict)`` or ``("dead", reason)``.
 """
@@ -144,6 +145,9 @@ class WorkerLoop:
         elif kind == "release":
             _, client_id, call_id, ctx_request_id = msg
             self._out[lane_of(client_id, len(self.lanes))].append(("reply", call_id, self.role.release(ctx_request_id)))
+        elif kind == "stats":
+            _, client_id, call_id = msg
+            self._out[lane_of(client_id, len(self.lanes))].append(("reply", call_id, self._stats()))
         elif kind == "drain":
             if self.state == EngineState.SERVING:
                 self.state = EngineState.DRAINING
@@ -177,14 +181,17 @@ class WorkerLoop:
         now = time.monotonic()
         if now - self._last_stats_t < STATS_PERIOD_S and self._last_stats is not None:
             return
-        stats = {"free_blocks": self.engine.num_free_blocks, "total_blocks": self.engine.config.num_kv_blocks,
-                 "running_requests": len(self._owner), "state": self.state.value,
-                 "ipc_rejected_worker": self.codec.rejected, **self.role.stats()}
+        stats = self._stats()
         self._last_stats_t = now
         if stats != self._last_stats:
             self._last_stats = stats
             for lane in range(len(self.lanes)):
                 self._out[lane].append(("stats", stats))
+
+    def _stats(self) -> dict:
+        return {"free_blocks": self.engine.num_free_blocks, "total_blocks": self.engine.config.num_kv_blocks,
+                "running_requests": len(self._owner), "state": self.state.value,
+                "ipc_rejected_worker": self.codec.rejected, **self.role.stats()}
 
     def _flush(self) -> None:
         for lane, items in self._out.items():

@@ -19,7 +19,7 @@ from engine.request import EngineRequest, KVPull
 from executor.kv_role import KVTransferDone, WorkerOps, WorkerRole
 from executor.phases import PhaseError
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens
-from kv_transfer.tcp_backend import TcpKVClient
+from kv_transfer.factory import KVClient, make_kv_client
 from kv_transfer.wire import KVTransferError
 from pdserve.config import KVTransferSettings
 from pdserve.protocol import DisaggregatedParams
@@ -36,7 +36,7 @@ class GenKVRole(WorkerRole):
 
     def __init__(self, settings: KVTransferSettings, layout: KVLayout) -> None:
         self.settings, self.layout = settings, layout
-        self.client = TcpKVClient(layout)
+        self._clients: dict[str, KVClient] = {}  # endpoint scheme ("tcp", "ucx") -> client, made on first use
         self._sources: dict[str, DisaggregatedParams] = {}
         self._in_flight: dict[str, bool] = {}  # request id -> aborted while pulling
         self._lock = threading.Lock()
@@ -67,8 +67,9 @@ class GenKVRole(WorkerRole):
         rid, t0 = pull.request_id, time.perf_counter()
         error: str | None = None
         try:
-            nbytes = self.client.pull(src.kv_endpoint, src.ctx_request_id, src.kv_layout, self.engine.kv_cache,
-                                      dst, self.settings.timeout_ms / 1000.0)
+            client = self._client_for(src.kv_endpoint)
+            nbytes = client.pull(src.kv_endpoint, src.ctx_request_id, src.kv_layout, self.engine.kv_cache,
+                                 dst, self.settings.timeout_ms / 1000.0)
         except (KVTransferError, KVLayoutMismatch) as err:
             error = f"KV transfer failed: {err}"
         except Exception as err:  # noqa: BLE001 - a pull thread must always report back
@@ -89,6 +90,18 @@ class GenKVRole(WorkerRole):
         ok = error is None and not aborted
         self.ops.post(lambda engine: engine.kv_ready(rid, ok))
 
+    def _client_for(self, endpoint: str) -> KVClient:
+        """The transceiver that speaks the ctx server's backend (the endpoint's scheme)."""
+        scheme = endpoint.partition("://")[0]
+        if scheme not in ("tcp", "ucx"):
+            raise KVTransferError(f"unsupported KV endpoint {endpoint!r}")
+        with self._lock:
+            client = self._clients.get(scheme)
+            if client is None:
+                client = self._clients[scheme] = make_kv_client(scheme, self.layout)
+                client.start()
+        return client
+
     def _fail(self, rid: str, message: str, status: int) -> None:
         log.warning("request %s: %s", rid, message)
         self.ops.deliver(rid, PhaseError(message, status, "kv_transfer_error"))
@@ -107,6 +120,8 @@ class GenKVRole(WorkerRole):
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for client in self._clients.values():
+            client.stop()
 
 
 def make_worker_role(cfg, layout: KVLayout) -> GenKVRole:
