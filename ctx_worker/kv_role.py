@@ -8,6 +8,7 @@ releases it; every free goes through the engine loop (``release_parked``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -35,8 +36,10 @@ class CtxKVRole(WorkerRole):
 
     name = "ctx"
 
-    def __init__(self, settings: KVTransferSettings, layout: KVLayout, host: str, port: int) -> None:
+    def __init__(self, settings: KVTransferSettings, layout: KVLayout, host: str, port: int,
+                 pull_delay_s: float = 0.0) -> None:
         self.settings, self.layout, self.host, self.port = settings, layout, host, port
+        self.pull_delay_s = pull_delay_s
         self._pending: dict[str, tuple[str | None, list[int]]] = {}  # request id -> (disagg id, prompt)
         self._lock = threading.Lock()
         self._sent = {"kv_bytes_sent": 0, "kv_send_seconds": 0.0, "kv_sends": 0}
@@ -45,7 +48,7 @@ class CtxKVRole(WorkerRole):
 
     def start(self, engine: LLMEngine, ops: WorkerOps) -> None:
         self.ops = ops
-        self.leases = LeaseTable(self._on_free)
+        self.leases = LeaseTable(self._on_free, self.pull_delay_s)
         self.server = make_kv_server(self.settings.backend, engine.kv_cache, self.layout, self.leases, self.host,
                                      self.port, timeout_s=self.settings.timeout_ms / 1000.0, on_sent=self._on_sent)
         self.leases.start()
@@ -111,6 +114,12 @@ class CtxKVRole(WorkerRole):
             self.leases.stop()
 
 
+PULL_DELAY_ENV = "PDSERVE_TEST_KV_PULL_DELAY_S"  # fault-injection tests: hold each pull this long first
+
+
 def make_worker_role(cfg, layout: KVLayout) -> CtxKVRole:
     """The ctx worker role of one server (``cfg``: :class:`pdserve.config.ServerConfig`)."""
-    return CtxKVRole(cfg.kv_transfer, layout, cfg.host, cfg.kv_port)
+    delay = float(os.environ.get(PULL_DELAY_ENV, "0"))
+    if delay:
+        log.warning("%s=%s: every KV pull is held %.1f s (fault-injection tests only)", PULL_DELAY_ENV, delay, delay)
+    return CtxKVRole(cfg.kv_transfer, layout, cfg.host, cfg.kv_port, pull_delay_s=delay)

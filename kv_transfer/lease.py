@@ -41,8 +41,9 @@ class LeaseTable:
     with reason ``"released"``, ``"expired"`` or ``"shutdown"``; it must free the engine's blocks.
     """
 
-    def __init__(self, on_free: Callable[[str, str], None]) -> None:
+    def __init__(self, on_free: Callable[[str, str], None], pull_delay_s: float = 0.0) -> None:
         self._on_free = on_free
+        self._pull_delay_s = pull_delay_s  # fault-injection tests only: widen the mid-pull window
         self._leases: dict[str, Lease] = {}
         self._cond = threading.Condition()
         self._stopped = False
@@ -86,7 +87,9 @@ class LeaseTable:
             if lease is None or lease.release_pending:
                 raise LeaseError(f"no KV lease for {ctx_request_id!r}: never parked, already released or expired")
             lease.pulling += 1
-            return lease
+        if self._pull_delay_s:
+            time.sleep(self._pull_delay_s)
+        return lease
 
     def end_pull(self, ctx_request_id: str) -> None:
         """Unpin after a pull (success or not); applies a release or expiry that came meanwhile."""

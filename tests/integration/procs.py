@@ -48,8 +48,8 @@ class Procs:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
@@ -103,13 +103,15 @@ class Cluster:
         s = self.doc["pools"][role]["servers"][i]
         return f"http://{s['host']}:{s['port']}"
 
-    def start(self) -> "Cluster":
+    def start(self, env: dict[str, dict[str, str]] | None = None) -> "Cluster":
+        """Start every server, then the orchestrator; ``env`` adds variables per role ("ctx", "gen")."""
         cfg = str(self.topo_path)
         names = []
         for role in ("ctx", "gen"):
             for i in range(len(self.doc["pools"][role]["servers"])):
                 name = f"{role}{i}"
-                self.procs.start(name, "-m", f"{role}_worker", "--config", cfg, "--index", str(i))
+                self.procs.start(name, "-m", f"{role}_worker", "--config", cfg, "--index", str(i),
+                                 "--log-dir", str(self.procs.log_dir), env=(env or {}).get(role))
                 names.append((name, self.server_url(role, i)))
         self.procs.start("orchestrator", "-m", "orchestrator", "--config", cfg)
         names.append(("orchestrator", self.url))
