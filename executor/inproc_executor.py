@@ -14,32 +14,17 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.kv_role import WorkerRole
+from executor.streams import RequestStream
 from pdserve.protocol import DisaggregatedParams
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the command queue before re-checking stop
-
-
-@dataclass
-class _Stream:
-    """Where one request's outputs go: an asyncio queue living on ``loop``."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False
-
-    def put(self, item: object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            log.debug("dropping an output for a closed event loop")
 
 
 class InProcessExecutor(EngineClient):
@@ -49,7 +34,7 @@ class InProcessExecutor(EngineClient):
         self._engine = engine
         self._role = role or WorkerRole()
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams, _state, _dead_reason
         self._state = EngineState.STARTING
         self._dead_reason: str | None = None
@@ -129,8 +114,8 @@ class InProcessExecutor(EngineClient):
             if not stream.finished:
                 self.abort(request.request_id)
 
-    def _register(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> _Stream:
-        stream = _Stream(loop=asyncio.get_running_loop())
+    def _register(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> RequestStream:
+        stream = RequestStream(loop=asyncio.get_running_loop())
         # The state check and the registration happen under one lock that _die also takes, so a
         # request is either refused here or registered before _die fails every registered stream:
         # there is no window in which it could wait forever on a dead engine.
@@ -145,7 +130,7 @@ class InProcessExecutor(EngineClient):
         self._commands.put(lambda: self._add(request, disagg, stream))
         return stream
 
-    def _add(self, request: EngineRequest, disagg: DisaggregatedParams | None, stream: _Stream) -> None:
+    def _add(self, request: EngineRequest, disagg: DisaggregatedParams | None, stream: RequestStream) -> None:
         try:
             self._role.on_submit(request, disagg)
             self._engine.add_request(request)

@@ -18,8 +18,8 @@ import zmq
 
 from engine.request import EngineRequest, RequestOutput
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
-from executor.inproc_executor import _Stream
 from executor.ipc import Codec, make_client_id
+from executor.streams import RequestStream
 from executor.monitor import RankMonitor
 from executor.proxy import AttachInfo
 from pdserve.protocol import DisaggregatedParams
@@ -47,7 +47,7 @@ class LatticeClient(EngineClient):
         self.pull = self.zctx.socket(zmq.PULL)
         self.pull.bind(info.lane_addrs[self.frontend_id])
         self._seq = itertools.count(1)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._lock = threading.Lock()  # guards _streams, _state, _dead_reason
         self._state = EngineState.SERVING
@@ -84,7 +84,7 @@ class LatticeClient(EngineClient):
 
     async def generate(self, request: EngineRequest,
                        disagg: DisaggregatedParams | None = None) -> AsyncIterator[object]:
-        stream = _Stream(loop=asyncio.get_running_loop())
+        stream = RequestStream(loop=asyncio.get_running_loop())
         # State check and registration under the lock that _die also takes: a request is either
         # refused here or registered before _die fails every registered stream (no hang window).
         with self._lock:
