@@ -1,0 +1,175 @@
+"""A near-zero-cost OpenAI worker for measuring routers: answers at once, no model.
+
+    python bench/fake_worker.py --port 9001 [--role prefill|decode|both] [--tokenizer-dir DIR]
+
+It speaks what each router in the overhead experiment asks of a worker:
+
+- plain OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (stream or not): ``max_tokens``
+  one-word tokens, then a usage chunk; ``--token-delay-ms`` between streamed tokens (default 0);
+- pdserve's ``disaggregated_params``: ``context_only`` → a one-token answer with parked-lease
+  params (no KV is really parked); ``generation_only`` → the stream; ``POST /disagg/release``;
+- sglang-router's PD mode (requests carrying ``bootstrap_room``): with ``--role prefill`` the
+  answer is one token (the router drains it), with ``--role decode`` the full answer;
+- ``GET /health``, ``/v1/models``, ``/server_info``, ``/get_server_info``, ``/model_info``,
+  ``/get_model_info`` (naming ``--tokenizer-dir``, which sglang-router loads).
+
+Raw ASGI on uvicorn (no FastAPI) so the worker costs far less than the routers it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+
+MODEL = "fake-model"
+WORD = " tok"
+
+
+def _usage(n_prompt: int, n: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+
+
+def _prompt_len(body: dict) -> int:
+    p = body.get("prompt")
+    if isinstance(p, list):
+        return len(p)
+    if isinstance(p, str):
+        return max(1, len(p.split()))
+    return sum(max(1, len(str(m.get("content", "")).split())) for m in body.get("messages") or [])
+
+
+class FakeWorker:
+    def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float) -> None:
+        self.role = role
+        self.tokenizer_dir = tokenizer_dir
+        self.token_delay_s = token_delay_s
+        self.requests = 0
+        self.bootstrapped = 0  # requests that carried sglang's bootstrap_room
+        self.phases: dict[str, int] = {}
+
+    def info(self) -> dict:
+        return {"model_path": self.tokenizer_dir, "tokenizer_path": self.tokenizer_dir, "is_generation": True,
+                "served_model_name": MODEL, "role": self.role, "max_context_length": 8192, "vocab_size": 49152,
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "preferred_sampling_params": None,
+                "weight_version": "default", "supports_vision": False, "eos_token_ids": [2],
+                "bos_token_id": 1, "pad_token_id": 2, "max_req_input_len": 8191,
+                "internal_states": [{"last_gen_throughput": 0.0}]}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET":
+            if path in ("/health", "/health_generate", "/ping"):
+                return await self._json(send, 200, {"status": "ok"})
+            if path == "/v1/models":
+                return await self._json(send, 200, {"object": "list", "data": [
+                    {"id": MODEL, "object": "model", "created": 0, "owned_by": "pdserve-bench"}]})
+            if path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+                return await self._json(send, 200, self.info())
+            if path == "/stats":
+                return await self._json(send, 200, {"requests": self.requests, "bootstrapped": self.bootstrapped,
+                                                    "phases": self.phases})
+            if path in ("/get_load", "/v1/loads"):
+                return await self._json(send, 200, {"load": 0})
+            return await self._json(send, 404, {"error": {"message": f"no route {path}"}})
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        if path == "/disagg/release" or path == "/flush_cache":
+            return await self._json(send, 200, {"released": True})
+        if path not in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            return await self._json(send, 404, {"error": {"message": f"no route {path}"}})
+        self.requests += 1
+        body = json.loads(raw or b"{}")
+        self.bootstrapped += "bootstrap_room" in body
+        phase = (body.get("disaggregated_params") or {}).get("request_type", "plain")
+        self.phases[phase] = self.phases.get(phase, 0) + 1
+        await self._complete(send, body, chat=path.endswith("chat/completions"))
+
+    async def _json(self, send, status: int, doc: dict) -> None:
+        data = json.dumps(doc).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    async def _complete(self, send, body: dict, chat: bool) -> None:
+        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        n_prompt = _prompt_len(body)
+        stream = bool(body.get("stream"))
+        dp = body.get("disaggregated_params") or {}
+        rtype = dp.get("request_type")
+        if rtype == "context_only" or (self.role == "prefill" and "bootstrap_room" in body):
+            n, stream = 1, stream and rtype != "context_only"
+        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
+        created = int(time.time())
+        if rtype == "context_only":
+            params = {"request_type": "context_only", "disagg_request_id": dp.get("disagg_request_id"),
+                      "ctx_request_id": rid, "first_gen_tokens": [1000], "prompt_token_ids": [1] * n_prompt,
+                      "kv_endpoint": "fake://none", "kv_block_count": 1, "lease_deadline": time.time() + 30,
+                      "kv_layout": {"model": MODEL, "num_layers": 1, "num_kv_heads": 1, "head_dim": 1,
+                                    "block_size": 16, "dtype": "float32"}}
+            choice = {"index": 0, "finish_reason": None, "logprobs": None, "disaggregated_params": params}
+            choice.update({"message": {"role": "assistant", "content": WORD}} if chat else {"text": WORD})
+            return await self._json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                                "created": created, "model": MODEL, "choices": [choice],
+                                                "usage": _usage(n_prompt, 1)})
+        if not stream:
+            choice = {"index": 0, "finish_reason": "length", "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": WORD * n}} if chat else {"text": WORD * n})
+            return await self._json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                                "created": created, "model": MODEL, "choices": [choice],
+                                                "usage": _usage(n_prompt, n)})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        for i in range(n):
+            finish = "length" if i == n - 1 else None
+            if chat:
+                delta = {"content": WORD} if i else {"role": "assistant", "content": WORD}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": WORD, "finish_reason": finish, "logprobs": None}
+            event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
+                        "more_body": True})
+            if self.token_delay_s > 0 and i < n - 1:
+                await asyncio.sleep(self.token_delay_s)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [],
+                     "usage": _usage(n_prompt, n)}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    p.add_argument("--tokenizer-dir", default="", help="a local HF tokenizer directory (named in /model_info)")
+    p.add_argument("--token-delay-ms", type=float, default=0.0)
+    args = p.parse_args(argv)
+    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on")
+
+
+if __name__ == "__main__":
+    main()

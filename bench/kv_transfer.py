@@ -1,0 +1,121 @@
+"""KV transfer throughput: GB/s per request over ucx and tcp between two processes, next to memcpy.
+
+A ctx process serves a block-major cache (1 MiB blocks: 32 layers x K,V x 16 tokens x 8 heads x
+64 dims, fp16); this process pulls 1, 16 and 256 MiB per request into its own cache and times
+each pull end to end (request, bytes, release). memcpy is ``torch`` ``copy_`` of the same bytes
+between two touched tensors in this process, in the same run. Prints a markdown table of medians.
+
+    .venv/bin/python bench/kv_transfer.py [--repeats 7] [--sizes-mib 1 16 256] [--backends ucx tcp]
+                                          [--scattered]
+
+``--scattered`` uses every other block on the ctx side (one message per block) instead of runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kv_transfer.factory import make_kv_client, make_kv_server  # noqa: E402
+from kv_transfer.layout import KVLayout, bytes_per_block  # noqa: E402
+from kv_transfer.lease import LeaseTable  # noqa: E402
+
+LAYOUT = KVLayout(model="bench", num_layers=32, num_kv_heads=8, head_dim=64, block_size=16, dtype="float16")
+BLOCK_SHAPE = (LAYOUT.num_layers, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+MIB = 1 << 20
+
+
+def ctx_process(backend: str, num_blocks: int, conn) -> None:
+    """Serve a random cache; park leases on request (``("park", rid, ids)``) until ``("stop",)``."""
+    torch.set_num_threads(1)
+    cache = torch.randn(num_blocks, *BLOCK_SHAPE, dtype=torch.float16)
+    leases = LeaseTable(lambda rid, reason: None)
+    leases.start()
+    server = make_kv_server(backend, cache, LAYOUT, leases, "127.0.0.1", 0, 60.0)
+    server.start()
+    conn.send(server.endpoint)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        leases.park(cmd[1], cmd[2], len(cmd[2]) * LAYOUT.block_size, ttl_s=120)
+        conn.send("ok")
+    server.stop()
+    leases.stop()
+
+
+def median_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def bench_memcpy(nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8).fill_(2)  # touched: no page faults in the timing
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return median_gbps(nbytes, times[1:])
+
+
+def bench_backend(backend: str, sizes_blocks: list[int], repeats: int, scattered: bool) -> dict[int, float]:
+    stride = 2 if scattered else 1
+    num_blocks = max(sizes_blocks) * stride + 1
+    spawn = mp.get_context("spawn")
+    parent, child = spawn.Pipe()
+    proc = spawn.Process(target=ctx_process, args=(backend, num_blocks, child), daemon=True)
+    proc.start()
+    client = make_kv_client(backend, LAYOUT)
+    gen_cache = torch.zeros(num_blocks, *BLOCK_SHAPE, dtype=torch.float16).fill_(1)
+    results = {}
+    try:
+        endpoint = parent.recv()
+        for n in sizes_blocks:
+            times = []
+            for i in range(repeats + 1):  # the first pull warms up (endpoint, registration caches)
+                rid = f"{n}-{i}"
+                parent.send(("park", rid, list(range(0, n * stride, stride))))
+                parent.recv()
+                t0 = time.perf_counter()
+                client.pull(endpoint, rid, LAYOUT, gen_cache, list(range(n)), timeout_s=60)
+                times.append(time.perf_counter() - t0)
+            results[n] = median_gbps(n * bytes_per_block(LAYOUT), times[1:])
+    finally:
+        parent.send(("stop",))
+        proc.join(30)
+        client.stop()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 256])
+    ap.add_argument("--backends", nargs="+", default=["ucx", "tcp"])
+    ap.add_argument("--scattered", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    assert bytes_per_block(LAYOUT) == MIB
+    sizes = args.sizes_mib
+    memcpy = {n: bench_memcpy(n * MIB, args.repeats) for n in sizes}
+    by_backend = {b: bench_backend(b, sizes, args.repeats, args.scattered) for b in args.backends}
+    print(f"\nKV per request, median of {args.repeats} pulls ({'scattered blocks' if args.scattered else 'contiguous runs'}; "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})\n")
+    print("| KV per request | memcpy GB/s | " + " | ".join(f"{b} GB/s (% of memcpy)" for b in args.backends) + " |")
+    print("|---|---|" + "---|" * len(args.backends))
+    for n in sizes:
+        cells = [f"{by_backend[b][n]:.2f} ({100 * by_backend[b][n] / memcpy[n]:.0f}%)" for b in args.backends]
+        print(f"| {n} MiB | {memcpy[n]:.2f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
