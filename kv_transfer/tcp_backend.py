@@ -139,9 +139,12 @@ class TcpKVClient:
         """Nothing to stop."""
 
     def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
-             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float) -> int:
+             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True) -> int:
         """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``,
-        then tell the ctx side to release the lease. Blocking; call from a worker thread.
+        then (``release``) tell the ctx side to release the lease. Blocking; call from a worker thread.
+
+        A release that finds the lease already gone fails the pull: the blocks may have been reused
+        between the pieces of a multi-piece (tensor-parallel) pull.
 
         Returns:
             bytes received.
@@ -170,10 +173,31 @@ class TcpKVClient:
                 if time.monotonic() > deadline:
                     raise KVTransferError(f"KV pull from {endpoint} took longer than {timeout_s:.1f} s")
                 kv_cache[torch.tensor(dst_block_ids)] = buf
-                send_msg(sock, {"op": "release", "ctx_request_id": ctx_request_id})
-                recv_msg(sock)
+                if release:
+                    self._release_on(sock, endpoint, ctx_request_id)
                 return nbytes
         except socket.timeout:
             raise KVTransferError(f"KV pull from {endpoint} timed out after {timeout_s:.1f} s") from None
         except OSError as err:
             raise KVTransferError(f"KV pull from {endpoint} failed: {err}") from None
+
+    def release(self, endpoint: str, ctx_request_id: str, timeout_s: float) -> None:
+        """Release a lease after a pull made with ``release=False``.
+
+        Raises:
+            KVTransferError: unreachable peer, timeout, or the lease was already gone.
+        """
+        host, port = parse_endpoint(endpoint)
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s) as sock:
+                sock.settimeout(timeout_s)
+                self._release_on(sock, endpoint, ctx_request_id)
+        except OSError as err:
+            raise KVTransferError(f"releasing KV lease {ctx_request_id} at {endpoint} failed: {err}") from None
+
+    @staticmethod
+    def _release_on(sock: socket.socket, endpoint: str, ctx_request_id: str) -> None:
+        send_msg(sock, {"op": "release", "ctx_request_id": ctx_request_id})
+        if not recv_msg(sock).get("released"):
+            raise KVTransferError(f"KV lease {ctx_request_id} at {endpoint} was gone when released "
+                                  "(expired or cancelled during the pull); its blocks may have been reused")

@@ -436,7 +436,7 @@ class UcxKVClient:
         return self._peers.connects
 
     def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
-             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float) -> int:
+             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True) -> int:
         """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``,
         then tell the ctx side to release the lease. Blocking; call from a worker thread.
 
@@ -454,7 +454,8 @@ class UcxKVClient:
         for attempt in (0, 1):
             conn, fresh = self._peers.acquire(peer, address)
             try:
-                return self._pull_once(conn, short_endpoint(endpoint), ctx_request_id, kv_cache, list(dst_block_ids), deadline)
+                return self._pull_once(conn, short_endpoint(endpoint), ctx_request_id, kv_cache, list(dst_block_ids),
+                                       deadline, release)
             except _EndpointFailed as err:
                 self._peers.discard(conn)
                 # A cached endpoint may have gone bad with its peer: reconnect once, if UCX said so
@@ -468,8 +469,35 @@ class UcxKVClient:
                 self._peers.release(conn)
         raise AssertionError("unreachable")
 
+    def release(self, endpoint: str, ctx_request_id: str, timeout_s: float) -> None:
+        """Release a lease after pulls made with ``release=False``.
+
+        Raises:
+            KVTransferError: unreachable peer, timeout, or the lease was already gone.
+        """
+        peer, address = parse_endpoint(endpoint)
+        deadline = time.monotonic() + timeout_s
+        conn, _ = self._peers.acquire(peer, address)
+        try:
+            base = (next(self._tags) % (1 << (63 - _SEQ_BITS)) or 1) << _SEQ_BITS
+            self._release_lease(conn, short_endpoint(endpoint), ctx_request_id, base, deadline)
+        except _EndpointFailed as err:
+            self._peers.discard(conn)
+            raise KVTransferError(f"releasing KV lease {ctx_request_id} at {short_endpoint(endpoint)} failed: {err}") from None
+        finally:
+            self._peers.release(conn)
+
+    def _release_lease(self, conn: _Conn, endpoint: str, rid: str, base: int, deadline: float) -> None:
+        ack_buf = np.empty(_FRAME_BYTES, dtype=np.uint8)
+        ack = self._worker.recv(conn.ep, Array(ack_buf), base + ACK)
+        release = {"op": "release", "ctx_request_id": rid, "reply_to": self._reply_to, "tag": base}
+        self._wait([self._worker.send(conn.ep, _frame(release), CTRL_TAG), ack], deadline, "releasing the lease")
+        if not unpack_msg(memoryview(ack_buf)).get("released"):
+            raise KVTransferError(f"KV lease {rid} at {endpoint} was gone when released "
+                                  "(expired or cancelled during the pull); its blocks may have been reused")
+
     def _pull_once(self, conn: _Conn, endpoint: str, rid: str, kv_cache: torch.Tensor,
-                   dst_ids: list[int], deadline: float) -> int:
+                   dst_ids: list[int], deadline: float, release: bool = True) -> int:
         base = (next(self._tags) % (1 << (63 - _SEQ_BITS)) or 1) << _SEQ_BITS
         reply_buf = np.empty(_FRAME_BYTES, dtype=np.uint8)
         try:
@@ -494,10 +522,8 @@ class UcxKVClient:
             raise KVTransferError(f"ctx KV server {endpoint} sends {len(src_ids)} blocks / {nbytes} bytes; "
                                   f"{len(dst_ids)} blocks / {len(dst_ids) * row_bytes} bytes expected")
         self._receive(conn, rid, kv_cache, plan_segments(src_ids, dst_ids), base, nbytes, deadline)
-        ack_buf = np.empty(_FRAME_BYTES, dtype=np.uint8)
-        ack = self._worker.recv(conn.ep, Array(ack_buf), base + ACK)
-        release = {"op": "release", "ctx_request_id": rid, "reply_to": self._reply_to, "tag": base}
-        self._wait([self._worker.send(conn.ep, _frame(release), CTRL_TAG), ack], deadline, "releasing the lease")
+        if release:
+            self._release_lease(conn, endpoint, rid, base, deadline)
         return nbytes
 
     def _receive(self, conn: _Conn, rid: str, kv_cache: torch.Tensor, segments: list, base: int,

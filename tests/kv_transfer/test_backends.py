@@ -100,3 +100,26 @@ def test_endpoint_cached_and_replaced_when_peer_restarts(backend, client_factory
             side.stop()
         if backend == "ucx":
             assert (client.connects, client.cached_endpoints) == (generation + 1, 1)
+
+
+def test_multi_piece_pull_then_one_release(ctx_side, client_factory):
+    """Tensor-parallel style: several pulls of one lease with release=False, then one release."""
+    ctx_side.leases.park("r", [1, 2, 3], 12, ttl_s=30)
+    client = client_factory()
+    a, b = cache(), cache()
+    client.pull(ctx_side.server.endpoint, "r", layout(), a, [0, 1, 2], 5, release=False)
+    client.pull(ctx_side.server.endpoint, "r", layout(), b, [4, 5], 5, release=False)
+    assert ctx_side.freed == []
+    client.release(ctx_side.server.endpoint, "r", 5)
+    assert ctx_side.freed == [("r", "released")]
+    assert torch.equal(a[0:3], ctx_side.server.kv_cache[1:4]) and torch.equal(b[4:6], ctx_side.server.kv_cache[1:3])
+
+
+def test_release_of_a_vanished_lease_fails_the_pull(ctx_side, client_factory):
+    """A lease that expired between the pieces of a pull must not pass for a good one."""
+    ctx_side.leases.park("r", [1], 4, ttl_s=30)
+    client = client_factory()
+    client.pull(ctx_side.server.endpoint, "r", layout(), cache(), [0], 5, release=False)
+    ctx_side.leases.release("r")  # e.g. expired meanwhile
+    with pytest.raises(KVTransferError, match="gone when released"):
+        client.release(ctx_side.server.endpoint, "r", 5)
