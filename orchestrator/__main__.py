@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__)
     parser.add_argument("--config", required=True, help="topology YAML file")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--host", default=None, help="bind host (default: orchestrator.host; Slurm: 0.0.0.0)")
     args = parser.parse_args(argv)
     try:
         topology = load_topology(args.config)
@@ -25,8 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is too much
+    if args.host:
+        topology = topology.model_copy(update={"orchestrator": topology.orchestrator.model_copy(update={"host": args.host})})
     s = topology.orchestrator
-    uvicorn.run(create_app(topology), host=s.host, port=s.port, log_level=args.log_level,
+    uvicorn.run(create_app(topology, config_path=args.config), host=s.host, port=s.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
 

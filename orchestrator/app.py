@@ -6,8 +6,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
+import time
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
@@ -15,14 +21,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.config import Topology
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.auth import admin_token, check_bearer
+from pdserve.config import Role, Topology
 from pdserve.protocol import ModelCard, ModelList, now_s
 
 from .disagg import DisaggFlow, Exchange
 from .errors import OrchestratorError, error_response
 from .metrics import Metrics
-from .pools import ClusterPools, HealthPoller
-from .router import Router, make_router
+from .fleet import Backend, Fleet, ScaleError
+from .pools import ROLES, ClusterPools, HealthPoller
+from .prompt_tokens import PromptTokenizer
+from .router import Router, make_routers
 from .tasks import TaskOwner
 from .validation import parse_body, validation_message
 
@@ -32,19 +43,32 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class Orchestrator:
-    """State of one app. ``client`` and ``flow`` exist between :meth:`start` and :meth:`stop`."""
+    """State of one app. ``client`` and ``flow`` exist between :meth:`start` and :meth:`stop`.
 
-    def __init__(self, topology: Topology, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    ``config_path`` (the topology file) is what launched servers read; it is needed when
+    ``launcher.kind`` is ``local`` or ``slurm`` (then the app owns a :class:`Fleet`).
+    """
+
+    def __init__(self, topology: Topology, transport: httpx.AsyncBaseTransport | None = None,
+                 config_path: str | Path | None = None, backend: Backend | None = None) -> None:
         self.topology = topology
         self.settings = topology.orchestrator
+        self.config_path = config_path
         self.pools = ClusterPools.from_topology(topology)
-        self.router: Router = make_router(self.settings)
+        self.routers: dict[str, Router] = make_routers(topology)
         self.metrics = Metrics()
         self.tasks = TaskOwner()
         self._transport = transport
+        self._backend = backend
         self.client: httpx.AsyncClient | None = None
         self.poller: HealthPoller | None = None
         self.flow: DisaggFlow | None = None
+        self.fleet: Fleet | None = None
+        self.tokenizer: PromptTokenizer | None = None
+
+    @property
+    def needs_tokens(self) -> bool:
+        return self.settings.max_local_prefill_length > 0 or any(r.needs_tokens for r in self.routers.values())
 
     async def start(self) -> None:
         s = self.settings
@@ -54,22 +78,62 @@ class Orchestrator:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, transport=self._transport)
         # A poll must not outlive its period by much, nor wait longer than a connect would.
         health_timeout_s = min(s.connect_timeout_s, max(s.health_interval_s, 1.0))
-        self.poller = HealthPoller(self.pools, self.client, s.health_interval_s, health_timeout_s)
-        self.flow = DisaggFlow(self.pools, self.router, self.client, s, self.metrics, self.tasks)
+        self.poller = HealthPoller(self.pools, self.client, s.health_interval_s, health_timeout_s,
+                                   s.health_failure_threshold, s.heartbeat_ttl_s)
+        if self.needs_tokens:
+            self.tokenizer = PromptTokenizer(self.client, [self.pools.gen, self.pools.ctx])
+        self.flow = DisaggFlow(self.pools, self.routers, self.client, s, self.metrics, self.tasks, self.tokenizer,
+                               self.topology.pool_engine("ctx").block_size)
+        backend = self._backend or make_backend(self.topology, self.config_path)
+        if backend is not None:
+            self.fleet = Fleet(self.topology, self.pools, backend, self.client, self.tasks)
+            if os.environ.get("PDSERVE_EXPECT_STARTED") == "1":  # slurm/pdserve.sbatch starts the first servers
+                self.fleet.expect_started(s.startup_timeout_s)
+            self.fleet.start()
         self.poller.start()
 
     async def stop(self) -> None:
-        # Order: stop polling, let pending lease releases finish, then close the client they use.
+        # Order: stop polling, stop launched servers, let pending lease releases finish, then
+        # close the client they use.
         if self.poller is not None:
             await self.poller.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         await self.tasks.close(SHUTDOWN_TIMEOUT_S)
         if self.client is not None:
             await self.client.aclose()
 
+    def status(self) -> dict:
+        pools = {}
+        for role in ROLES:
+            pool = self.pools.pool(role)
+            p = self.topology.pool(role)
+            info = {"router": self.topology.pool_router(role), "min_instances": p.min_instances,
+                    "max_instances": p.max_instances, "ready": len(pool.ready()),
+                    "in_flight": sum(s.in_flight for s in pool.servers), "servers": [s.status() for s in pool.servers]}
+            if self.fleet is not None:
+                info.update(self.fleet.pool_status(role))
+            pools[role] = info
+        return {"model": self.topology.model.name, "launcher": self.topology.launcher.kind,
+                "ready": self.pools.not_ready_reason() is None, "pools": pools}
 
-def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+
+def make_backend(topology: Topology, config_path: str | Path | None) -> Backend | None:
+    """The launcher backend ``launcher.kind`` names (None for ``external``)."""
+    kind = topology.launcher.kind
+    if kind == "external":
+        return None
+    if config_path is None:
+        raise ValueError(f"launcher.kind {kind!r} needs the topology file path (python -m orchestrator --config FILE)")
+    from .backends import LocalBackend, SlurmBackend
+
+    return LocalBackend(topology, Path(config_path)) if kind == "local" else SlurmBackend(topology, Path(config_path))
+
+
+def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None = None,
+               config_path: str | Path | None = None, backend: Backend | None = None) -> FastAPI:
     """The orchestrator app for ``topology``. ``transport`` replaces the network (tests)."""
-    orch = Orchestrator(topology, transport)
+    orch = Orchestrator(topology, transport, config_path, backend)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -84,6 +148,7 @@ def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None
     install_error_handlers(app)
     add_openai_routes(app, orch)
     add_cluster_routes(app, orch)
+    add_control_routes(app, orch)
     return app
 
 
@@ -104,13 +169,45 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(err.status_code, str(err.detail))
 
 
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only a disconnect is left)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response | None:
+    """Run ``work``; cancel it (None) if the client disconnects first.
+
+    Cancelling closes the upstream connections of the flow, which is what makes a ctx or gen server
+    abort the request; the flow's own cleanup releases a parked lease.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
+
+
 def add_openai_routes(app: FastAPI, orch: Orchestrator) -> None:
     async def serve(request: Request, endpoint: str) -> Response:
         status = 500
         try:
             body = parse_body(await request.body(), endpoint, orch.topology.model.name)
             assert orch.flow is not None, "app not started"
-            response = await orch.flow.handle(Exchange(endpoint, body))
+            response = await _unless_disconnected(request, orch.flow.handle(Exchange(endpoint, body)))
+            if response is None:
+                status = 499
+                orch.metrics.errors.labels(kind="client_disconnected").inc()
+                return Response(status_code=499)
             status = response.status_code
             return response
         except OrchestratorError as err:
@@ -139,13 +236,95 @@ def add_cluster_routes(app: FastAPI, orch: Orchestrator) -> None:
         reason = orch.pools.not_ready_reason()
         if reason is not None:
             return error_response(503, f"not ready: {reason}")
-        pools = {role: orch.pools.pool(role).counts() for role in ("ctx", "gen")}
+        pools = {role: orch.pools.pool(role).counts() for role in ROLES}
         return JSONResponse({"status": "ok", "pools": pools})
 
     @app.get("/cluster/status")
     async def cluster_status() -> dict:
-        return {"model": orch.topology.model.name, "pools": orch.pools.status()}
+        return orch.status()
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(orch.metrics.render(orch.pools), media_type=orch.metrics.content_type)
+        targets = orch.fleet.targets if orch.fleet is not None else None
+        return Response(orch.metrics.render(orch.pools, targets), media_type=orch.metrics.content_type)
+
+
+class WorkerRegistration(BaseModel):
+    """``POST /cluster/workers``: a server joins (or heartbeats: the same body again)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    url: str = Field(..., pattern=r"^https?://[^/]+$")
+    model: str
+    instance_id: str | None = None
+    state: str | None = None
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    instances: int = Field(..., ge=0)
+
+
+def add_control_routes(app: FastAPI, orch: Orchestrator) -> None:
+    """Membership (registration/heartbeat) and scaling. Both need the admin token when one is
+    configured; scaling is refused when none is (see :mod:`pdserve.auth`)."""
+    env = orch.settings.admin_token_env
+
+    def refuse(request: Request, open_when_unset: bool) -> JSONResponse | None:
+        refused = check_bearer(request.headers.get("authorization"), admin_token(env), env, open_when_unset)
+        if refused is None:
+            return None
+        orch.metrics.errors.labels(kind="unauthorized").inc()
+        return error_response(refused[0], refused[1])
+
+    @app.post("/cluster/workers")
+    async def register(request: Request, body: WorkerRegistration) -> JSONResponse:
+        if (denied := refuse(request, open_when_unset=True)) is not None:
+            return denied
+        if body.model != orch.topology.model.name:
+            return error_response(409, f"{body.url} serves {body.model!r}; this cluster serves {orch.topology.model.name!r}")
+        pool = orch.pools.pool(body.role)
+        member = pool.get(body.url) or (pool.by_instance(body.instance_id) if body.instance_id else None)
+        if member is None:
+            inst = orch.fleet.knows(body.instance_id) if orch.fleet is not None else None
+            member = pool.add(body.url, "managed" if inst else "registered", body.instance_id)
+            if inst is not None:
+                orch.fleet.joined(inst, member)
+            elif orch.fleet is not None:
+                orch.fleet.note_registered(body.role)
+        member.url = body.url
+        member.info = body.model_dump()
+        member.last_heartbeat_s = time.monotonic()
+        if body.state == "serving" and member.failures == 0:
+            member.mark_ready()  # it registers only once its port accepts and its engine serves
+        return JSONResponse({"name": member.name, "state": member.state.value,
+                             "heartbeat_interval_s": orch.settings.heartbeat_ttl_s / 3})
+
+    @app.delete("/cluster/workers")
+    async def deregister(request: Request, url: str) -> JSONResponse:
+        if (denied := refuse(request, open_when_unset=True)) is not None:
+            return denied
+        for role in ROLES:
+            member = orch.pools.pool(role).get(url)
+            if member is None:
+                continue
+            if member.source == "registered":
+                orch.pools.pool(role).remove(member, "deregistered")
+            else:
+                member.mark_unhealthy("deregistered (shutting down)")
+            return JSONResponse({"removed": member.source == "registered"})
+        return error_response(404, f"no member {url}")
+
+    @app.post("/cluster/pools/{pool}/scale")
+    async def scale(request: Request, pool: str, body: ScaleRequest) -> JSONResponse:
+        if (denied := refuse(request, open_when_unset=False)) is not None:
+            return denied
+        if pool not in ROLES:
+            return error_response(404, f"no pool {pool!r} (ctx, gen)")
+        if orch.fleet is None:
+            return error_response(409, "launcher.kind is external: the orchestrator does not start servers here; "
+                                       "start or stop them yourself (they register with POST /cluster/workers)")
+        try:
+            return JSONResponse(orch.fleet.scale(pool, body.instances), status_code=202)  # type: ignore[arg-type]
+        except ScaleError as err:
+            return error_response(400, str(err), param="instances")

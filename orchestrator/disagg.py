@@ -28,7 +28,8 @@ from .errors import OrchestratorError
 from .metrics import Metrics
 from .pools import ClusterPools, Server
 from .relay import RelayResponse, StreamRelay
-from .router import Router
+from .prompt_tokens import PromptTokenizer
+from .router import RouteHint, Router, block_hashes
 from .sse import answer_to_events
 from .tasks import TaskOwner
 from .upstream import AttemptFailed, open_stream, post_json, release_lease
@@ -38,6 +39,13 @@ log = logging.getLogger("orchestrator.disagg")
 T = TypeVar("T")
 RELEASE_TIMEOUT_S = 2.0
 PHASE_NAMES = {"ctx": "context phase", "gen": "generation phase"}
+
+
+KV_SOURCE_FAILED = "kv_transfer_error"  # a gen server's error type when pulling from the ctx server failed
+
+
+class KVSourceFailed(Exception):
+    """The gen server could not pull the parked KV: the ctx side is at fault, not the gen pool."""
 
 
 @dataclass
@@ -67,25 +75,65 @@ class Lease:
 
 
 class DisaggFlow:
-    """Runs :class:`Exchange` objects through ctx then gen; one instance per app."""
+    """Runs :class:`Exchange` objects through ctx then gen; one instance per app.
 
-    def __init__(self, pools: ClusterPools, router: Router, client: httpx.AsyncClient,
-                 settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner) -> None:
+    ``routers`` holds one router per pool. ``tokenizer`` gives prompt token ids when a router or
+    conditional disaggregation needs them (``None``: never needed).
+    """
+
+    def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: httpx.AsyncClient,
+                 settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
+                 tokenizer: PromptTokenizer | None = None, block_size: int = 16) -> None:
         self._pools = pools
-        self._router = router
+        self._routers = routers
         self._client = client
         self._settings = settings
         self._metrics = metrics
         self._tasks = tasks
+        self._tokenizer = tokenizer
+        self._block_size = block_size
+
+    async def _route_hint(self, ex: Exchange) -> RouteHint | None:
+        if self._tokenizer is None:
+            return None
+        ids = await self._tokenizer.token_ids(ex.endpoint, ex.body)
+        if ids is None:
+            return None
+        return RouteHint(block_hashes(ids, self._block_size), len(ids))
+
+    def _is_short(self, hint: RouteHint | None) -> bool:
+        limit = self._settings.max_local_prefill_length
+        return limit > 0 and hint is not None and hint.num_tokens < limit
 
     async def handle(self, ex: Exchange) -> Response:
         """The client's response. Raises :class:`OrchestratorError` (4xx relay, 503 when a phase fails)."""
         if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
             raise OrchestratorError(503, f"no ready gen server ({self._pools.not_ready_reason()})",
                                     kind="gen_failed", type_="service_unavailable")
+        hint = await self._route_hint(ex)
+        if self._is_short(hint):
+            return await self._colocated(ex, hint)
+        self._metrics.queue.observe(time.monotonic() - ex.started_s)
+        failed_ctx: set[str] = set()
+        while True:
+            try:
+                return await self._disaggregated(ex, hint, failed_ctx)
+            except KVSourceFailed as err:
+                # The ctx server that parked the KV died or lost it (e.g. kill -9 mid-transfer).
+                # Nothing reached the client yet, so the whole request may start over on another
+                # ctx server: no output is ever duplicated.
+                if len(failed_ctx) >= self._settings.max_retries:
+                    raise OrchestratorError(503, f"generation phase failed: {err}", kind="gen_failed",
+                                            type_="service_unavailable") from None
+                log.warning("KV source failed (%s); restarting the request on another ctx server", err)
+                self._metrics.retries.labels(pool="ctx").inc()
+
+    async def _disaggregated(self, ex: Exchange, hint: RouteHint | None, failed_ctx: set[str]) -> Response:
         t0 = time.monotonic()
-        ctx_server, answer = await self._with_retries("ctx", lambda s: self._context_attempt(ex, s))
+        ctx_server, answer = await self._with_retries("ctx", lambda s: self._context_attempt(ex, s), hint,
+                                                      set(failed_ctx))
         self._metrics.ctx_phase.observe(time.monotonic() - t0)
+        self._metrics.routed.labels(pool="ctx", path="disaggregated").inc()
         choice = answer["choices"][0]
         if choice.get("finish_reason") is not None:
             return self._final_from_ctx(ex, answer)
@@ -95,44 +143,68 @@ class DisaggFlow:
         gen_body["disaggregated_params"] = {**params, "request_type": "generation_only",
                                             "disagg_request_id": ex.disagg_request_id}
         handed_over = False
+        t_ctx = time.monotonic()
         try:
             if ex.stream:
-                _, response = await self._with_retries("gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lease))
+                _, response = await self._with_retries(
+                    "gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lambda: self.release_soon(lease)))
+                self._metrics.kv_handoff.observe(time.monotonic() - t_ctx)
             else:
                 _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body))
+            self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
             handed_over = True
             return response
+        except KVSourceFailed:
+            failed_ctx.add(ctx_server.url)
+            raise
         finally:
             # Any way out but a response (error, cancellation) abandons the gen phase.
             if not handed_over:
                 self.release_soon(lease)
+
+    async def _colocated(self, ex: Exchange, hint: RouteHint | None) -> Response:
+        """A short prompt: prefill and decode on one gen server (no KV handoff)."""
+        self._metrics.queue.observe(time.monotonic() - ex.started_s)
+        body = dict(ex.body)
+        if ex.stream:
+            _, response = await self._with_retries("gen", lambda s: self._gen_stream_attempt(ex, s, body, None), hint)
+        else:
+            _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, body), hint)
+        self._metrics.routed.labels(pool="gen", path="colocated").inc()
+        return response
 
     def release_soon(self, lease: Lease) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
         self._tasks.spawn(release_lease(self._client, lease.ctx_url, lease.ctx_request_id, RELEASE_TIMEOUT_S),
                           name=f"release-{lease.ctx_request_id}")
 
-    async def _with_retries(self, role: Role, attempt: Callable[[Server], Awaitable[T]]) -> tuple[Server, T]:
+    async def _with_retries(self, role: Role, attempt: Callable[[Server], Awaitable[T]],
+                            hint: RouteHint | None = None, exclude: set[str] | None = None) -> tuple[Server, T]:
         """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``.
 
         Raises:
             OrchestratorError: 503 naming every failed attempt, or that no server was ready.
             UpstreamRejected: a server answered 4xx (relayed, not retried).
         """
-        tried: set[str] = set()
+        tried: set[str] = set(exclude or ())
         failures: list[str] = []
-        for _ in range(1 + self._settings.max_retries):
-            server = self._router.pick(self._pools.pool(role), tried)
+        for n in range(1 + self._settings.max_retries):
+            server = self._routers[role].pick(self._pools.pool(role), tried, hint)
             if server is None:
                 break
+            if n:
+                self._metrics.retries.labels(pool=role).inc()
             tried.add(server.url)
             try:
                 return server, await attempt(server)
             except AttemptFailed as err:
-                server.mark_unhealthy(str(err))
+                if err.server_fault:
+                    server.mark_unhealthy(str(err))
                 self._metrics.errors.labels(kind=f"{role}_attempt").inc()
                 failures.append(f"{server.name} {server.url}: {err}")
                 log.warning("%s attempt on %s failed: %s", PHASE_NAMES[role], server.url, err)
+                if role == "gen" and err.error_type == KV_SOURCE_FAILED:
+                    raise KVSourceFailed(failures[-1]) from None  # another gen server cannot pull either
         phase = PHASE_NAMES[role]
         if failures:
             msg = f"{phase} failed on {len(failures)} {role} server(s): " + "; ".join(failures)
@@ -155,8 +227,10 @@ class DisaggFlow:
             answer = await post_json(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "gen")
         return self._json_response(ex, answer)
 
-    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: dict, lease: Lease) -> Response:
+    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: dict,
+                                  on_abandon: Callable[[], None] | None) -> Response:
         server.in_flight += 1  # handed to the relay, which drops it at close
+        server.served += 1
         try:
             stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "gen")
         except BaseException:
@@ -164,7 +238,7 @@ class DisaggFlow:
             raise
         relay = StreamRelay(stream, server, ex.endpoint, ex.started_s,
                             ex.started_s + self._settings.request_timeout_s, self._metrics,
-                            on_abandon=lambda: self.release_soon(lease))
+                            on_abandon=on_abandon or (lambda: None))
         return RelayResponse(relay)
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:

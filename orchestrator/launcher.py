@@ -126,8 +126,10 @@ class LocalLauncher:
         return {c.name: c.pid for c in self.children if c.pid is not None}
 
     def _plan(self) -> list[Child]:
+        """Every listed server, then the orchestrator; only the orchestrator when it launches the
+        servers itself (``launcher.kind`` local or slurm)."""
         children = []
-        for role in ("ctx", "gen"):
+        for role in ("ctx", "gen") if self.topology.launcher.kind == "external" else ():
             for i in range(len(getattr(self.topology.pools, role).servers)):
                 children.append(Child(f"{role}[{i}]", self.topology.server_url(role, i), self._command(role, i),
                                       self.log_dir / f"{role}{i}.log"))

@@ -6,6 +6,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from .pools import ROLES, ClusterPools, ServerState
 
+_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -30,13 +31,37 @@ class Metrics:
         self.ctx_phase = Histogram("pdserve_orchestrator_ctx_phase_seconds",
                                    "Duration of the context phase (all attempts)", buckets=_LATENCY_BUCKETS_S,
                                    registry=r)
+        self.tpot = Histogram("pdserve_orchestrator_time_per_output_token_seconds",
+                              "Per request: (last byte - first byte) / (output chunks - 1), streams only",
+                              ["endpoint"], buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.itl = Histogram("pdserve_orchestrator_inter_token_latency_seconds",
+                             "Gap between consecutive stream chunks relayed to the client",
+                             ["endpoint"], buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.queue = Histogram("pdserve_orchestrator_queue_time_seconds",
+                               "Arrival to the first upstream request (validation, tokenizing, routing)",
+                               buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.kv_handoff = Histogram("pdserve_orchestrator_kv_transfer_seconds",
+                                    "ctx answer to the gen server's first byte: KV pull + first decode step",
+                                    buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.routed = Counter("pdserve_orchestrator_routed_requests", "Requests sent to a server, by pool and path",
+                              ["pool", "path"], registry=r)
+        self.retries = Counter("pdserve_orchestrator_retries", "Attempts repeated on another server, by pool",
+                               ["pool"], registry=r)
         self.pool_servers = Gauge("pdserve_orchestrator_pool_servers", "Servers per pool and state",
                                   ["pool", "state"], registry=r)
+        self.pool_in_flight = Gauge("pdserve_orchestrator_pool_in_flight_requests",
+                                    "Requests the orchestrator has open on the pool's servers", ["pool"], registry=r)
+        self.pool_target = Gauge("pdserve_orchestrator_pool_target_instances",
+                                 "Target size of the pool (launched clusters)", ["pool"], registry=r)
 
-    def render(self, pools: ClusterPools) -> bytes:
+    def render(self, pools: ClusterPools, targets: dict[str, int] | None = None) -> bytes:
         """The text exposition, with the pool gauges refreshed first."""
         for role in ROLES:
-            counts = pools.pool(role).counts()
+            pool = pools.pool(role)
+            counts = pool.counts()
             for st in ServerState:
                 self.pool_servers.labels(pool=role, state=st.value).set(counts[st.value])
+            self.pool_in_flight.labels(pool=role).set(sum(s.in_flight for s in pool.servers))
+            if targets is not None:
+                self.pool_target.labels(pool=role).set(targets[role])
         return generate_latest(self.registry)

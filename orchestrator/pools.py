@@ -1,8 +1,17 @@
 """Pool membership: the ctx and gen servers, their health state and in-flight load.
 
-Members come from the topology (static). A :class:`HealthPoller` owned by the app lifespan polls
-every server's ``GET /health``; a server that fails a request is marked unhealthy at once and stays
-so until its next good poll.
+A member comes from one of three sources:
+
+* ``static``: listed in the topology with ``launcher.kind: external`` (someone else runs it);
+  it stays a member whatever happens and is only marked unhealthy.
+* ``registered``: it joined by ``POST /cluster/workers``; it is dropped when it misses its
+  heartbeat TTL or fails ``health_failure_threshold`` polls in a row, and may register again.
+* ``managed``: the orchestrator's launcher started it (:mod:`orchestrator.fleet`); the launcher
+  restarts it when its process dies and removes it when the pool shrinks.
+
+A :class:`HealthPoller` owned by the app lifespan polls every member's ``GET /health``; a member
+that fails a request is marked unhealthy at once and stays so until its next good poll. A
+draining member gets no new requests (the router never picks it) while its in-flight ones finish.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
@@ -22,12 +32,14 @@ from pdserve.config import Role, Topology
 log = logging.getLogger("orchestrator.pools")
 
 ROLES: tuple[Role, Role] = ("ctx", "gen")
+Source = Literal["static", "registered", "managed"]
 
 
 class ServerState(str, enum.Enum):
-    UNKNOWN = "unknown"      # not polled yet
+    UNKNOWN = "unknown"      # not polled yet (a launched server that is still loading)
     READY = "ready"          # last /health answered 200
     UNHEALTHY = "unhealthy"  # last poll failed, or a request to it failed since
+    DRAINING = "draining"    # being removed: no new requests, in-flight ones finish
 
 
 @dataclass
@@ -37,50 +49,93 @@ class Server:
     role: Role
     index: int
     url: str
+    source: Source = "static"
     state: ServerState = ServerState.UNKNOWN
     in_flight: int = 0
+    served: int = 0
+    failures: int = 0                       # consecutive failed health polls
     last_error: str | None = None
     last_poll_s: float | None = field(default=None, repr=False)
+    last_heartbeat_s: float | None = field(default=None, repr=False)
+    instance_id: str | None = None          # set by the launcher / the registration body
+    info: dict = field(default_factory=dict, repr=False)  # what the server said when registering
+    joined_s: float = field(default_factory=time.monotonic, repr=False)
 
     @property
     def name(self) -> str:
         return f"{self.role}[{self.index}]"
 
+    @property
+    def draining(self) -> bool:
+        return self.state is ServerState.DRAINING
+
     def mark_ready(self) -> None:
+        self.failures = 0
+        if self.draining:
+            return
         if self.state is not ServerState.READY:
             log.info("%s %s is ready", self.name, self.url)
         self.state = ServerState.READY
         self.last_error = None
 
     def mark_unhealthy(self, reason: str) -> None:
+        self.last_error = reason
+        if self.draining:
+            return
         if self.state is not ServerState.UNHEALTHY:
             log.warning("%s %s is unhealthy: %s", self.name, self.url, reason)
         self.state = ServerState.UNHEALTHY
-        self.last_error = reason
+
+    def start_draining(self) -> None:
+        log.info("%s %s is draining (%d in flight)", self.name, self.url, self.in_flight)
+        self.state = ServerState.DRAINING
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
         """Count one in-flight request on this server for the duration of the block."""
         self.in_flight += 1
+        self.served += 1
         try:
             yield
         finally:
             self.in_flight -= 1
 
     def status(self) -> dict:
-        return {"url": self.url, "state": self.state.value, "in_flight": self.in_flight,
-                "last_error": self.last_error}
+        return {"name": self.name, "url": self.url, "source": self.source, "state": self.state.value,
+                "in_flight": self.in_flight, "served": self.served, "failures": self.failures,
+                "instance_id": self.instance_id, "pid": self.info.get("pid"), "last_error": self.last_error}
 
 
 class Pool:
     """The servers of one role."""
 
-    def __init__(self, role: Role, servers: list[Server]) -> None:
+    def __init__(self, role: Role, servers: list[Server], min_instances: int = 1) -> None:
         self.role = role
         self.servers = servers
+        self.min_instances = min_instances
+        self._next_index = len(servers)
 
     def ready(self) -> list[Server]:
         return [s for s in self.servers if s.state is ServerState.READY]
+
+    def get(self, url: str) -> Server | None:
+        return next((s for s in self.servers if s.url == url), None)
+
+    def by_instance(self, instance_id: str) -> Server | None:
+        return next((s for s in self.servers if s.instance_id == instance_id), None)
+
+    def add(self, url: str, source: Source, instance_id: str | None = None) -> Server:
+        """A new member (state unknown until its first good poll)."""
+        server = Server(self.role, self._next_index, url, source, instance_id=instance_id)
+        self._next_index += 1
+        self.servers.append(server)
+        log.info("%s %s joined the %s pool (%s)", server.name, url, self.role, source)
+        return server
+
+    def remove(self, server: Server, reason: str) -> None:
+        if server in self.servers:
+            self.servers.remove(server)
+            log.warning("%s %s left the %s pool: %s", server.name, server.url, self.role, reason)
 
     def counts(self) -> dict[str, int]:
         """Number of servers per state, plus ``total``."""
@@ -100,10 +155,14 @@ class ClusterPools:
 
     @classmethod
     def from_topology(cls, topology: Topology) -> "ClusterPools":
+        """Static members (``launcher.kind: external``); launched ones are added by the fleet."""
         pools = {}
         for role in ROLES:
-            specs = getattr(topology.pools, role).servers
-            pools[role] = Pool(role, [Server(role, i, topology.server_url(role, i)) for i in range(len(specs))])
+            settings = topology.pool(role)
+            servers = []
+            if topology.launcher.kind == "external":
+                servers = [Server(role, i, topology.server_url(role, i)) for i in range(len(settings.servers))]
+            pools[role] = Pool(role, servers, settings.min_instances)
         return cls(pools["ctx"], pools["gen"])
 
     def pool(self, role: Role) -> Pool:
@@ -113,13 +172,14 @@ class ClusterPools:
         return self.ctx.servers + self.gen.servers
 
     def not_ready_reason(self) -> str | None:
-        """``None`` when every pool has a ready server, else a message naming the empty pools."""
+        """``None`` when every pool has at least ``max(1, min_instances)`` ready servers."""
         missing = []
         for role in ROLES:
             p = self.pool(role)
-            if not p.ready():
-                states = ", ".join(f"{s.url} {s.state.value}" for s in p.servers)
-                missing.append(f"{role} pool has no ready server ({states})")
+            need = max(1, p.min_instances)
+            if len(p.ready()) < need:
+                states = ", ".join(f"{s.url} {s.state.value}" for s in p.servers) or "no members"
+                missing.append(f"{role} pool has {len(p.ready())} of {need} ready servers ({states})")
         return "; ".join(missing) or None
 
     def status(self) -> dict:
@@ -127,17 +187,21 @@ class ClusterPools:
 
 
 class HealthPoller:
-    """Polls ``GET /health`` of every server every ``interval_s`` seconds.
+    """Polls ``GET /health`` of every member every ``interval_s`` seconds, expires heartbeats.
 
     Owned by the app lifespan: :meth:`start` creates the task, :meth:`stop` cancels and awaits it.
-    Each poll is bounded by ``timeout_s``.
+    Each poll is bounded by ``timeout_s``. A ``registered`` member is dropped after
+    ``failure_threshold`` failed polls in a row or when its last heartbeat is older than ``ttl_s``.
     """
 
-    def __init__(self, pools: ClusterPools, client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
+    def __init__(self, pools: ClusterPools, client: httpx.AsyncClient, interval_s: float, timeout_s: float,
+                 failure_threshold: int = 3, ttl_s: float = 10.0) -> None:
         self._pools = pools
         self._client = client
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        self._failure_threshold = failure_threshold
+        self._ttl_s = ttl_s
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -152,12 +216,25 @@ class HealthPoller:
                 await task
 
     async def poll_once(self) -> None:
-        """Poll every server once, concurrently."""
+        """Poll every member once, concurrently, then drop the registered ones that are gone."""
         await asyncio.gather(*(self._poll(s) for s in self._pools.all_servers()))
+        now = time.monotonic()
+        for server in self._pools.all_servers():
+            if server.source != "registered":
+                continue
+            if server.failures >= self._failure_threshold:
+                self._pools.pool(server.role).remove(server, f"{server.failures} failed health polls "
+                                                             f"({server.last_error})")
+            elif server.last_heartbeat_s is not None and now - server.last_heartbeat_s > self._ttl_s:
+                self._pools.pool(server.role).remove(server, f"no heartbeat for {now - server.last_heartbeat_s:.1f} s "
+                                                             f"(TTL {self._ttl_s:g} s)")
 
     async def _run(self) -> None:
         while True:
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - the poller must outlive any one bad poll
+                log.exception("health poll failed")
             await asyncio.sleep(self._interval_s)
 
     async def _poll(self, server: Server) -> None:
@@ -165,9 +242,11 @@ class HealthPoller:
         try:
             resp = await self._client.get(f"{server.url}/health", timeout=self._timeout_s)
         except httpx.HTTPError as err:
+            server.failures += 1
             server.mark_unhealthy(f"/health: {type(err).__name__}: {err}".rstrip(": "))
             return
         if resp.status_code == 200:
             server.mark_ready()
         else:
+            server.failures += 1
             server.mark_unhealthy(f"/health answered HTTP {resp.status_code}")

@@ -52,9 +52,11 @@ class StreamRelay:
 
     async def body(self) -> AsyncIterator[bytes]:
         """The bytes for the client: upstream chunks as they come, then an error event if it broke."""
-        self._metrics.ttft.labels(endpoint=self._endpoint).observe(time.monotonic() - self._started_s)
+        t_first = t_prev = time.monotonic()
+        self._metrics.ttft.labels(endpoint=self._endpoint).observe(t_first - self._started_s)
         yield self._stream.first_chunk
         tail = self._stream.first_chunk[-len(SSE_DONE):]
+        chunks = 1
         try:
             while True:
                 remaining = self._deadline_s - time.monotonic()
@@ -62,6 +64,9 @@ class StreamRelay:
                     chunk = await anext(self._stream.chunks, None)
                 if chunk is None:
                     break
+                now = time.monotonic()
+                self._metrics.itl.labels(endpoint=self._endpoint).observe(now - t_prev)
+                t_prev, chunks = now, chunks + 1
                 yield chunk
                 tail = (tail + chunk)[-len(SSE_DONE):]
         except (httpx.HTTPError, TimeoutError) as err:
@@ -74,6 +79,8 @@ class StreamRelay:
                 yield event
             return
         self._finished = True
+        if chunks > 1:
+            self._metrics.tpot.labels(endpoint=self._endpoint).observe((t_prev - t_first) / (chunks - 1))
 
     def _broken(self, tail: bytes, message: str) -> list[bytes]:
         log.warning("%s", message)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import anyio
 import httpx
 
 from .errors import UpstreamRejected, error_type
@@ -22,7 +23,17 @@ log = logging.getLogger("orchestrator.upstream")
 
 
 class AttemptFailed(Exception):
-    """One attempt on one server failed in a way another server may not (retryable)."""
+    """One attempt on one server failed in a way another server may not (retryable).
+
+    ``server_fault``: the server itself looks broken (no answer, broken connection), as opposed to
+    a 5xx answer about this one request (the health poll judges the server then).
+    ``error_type``: the OpenAI error ``type`` of a 5xx answer (e.g. ``kv_transfer_error``).
+    """
+
+    def __init__(self, message: str, *, server_fault: bool = True, error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.server_fault = server_fault
+        self.error_type = error_type
 
 
 def describe(err: BaseException) -> str:
@@ -52,7 +63,8 @@ def check_status(resp: httpx.Response, phase: str) -> None:
     if 400 <= resp.status_code < 500:
         raise UpstreamRejected(resp.status_code, body, phase)
     info = body.get("error") if isinstance(body.get("error"), dict) else {}
-    raise AttemptFailed(f"HTTP {resp.status_code}: {info.get('message', body)}")
+    raise AttemptFailed(f"HTTP {resp.status_code}: {info.get('message', body)}", server_fault=False,
+                        error_type=info.get("type"))
 
 
 async def post_json(client: httpx.AsyncClient, server: Server, path: str, body: dict,
@@ -116,6 +128,10 @@ async def open_stream(client: httpx.AsyncClient, server: Server, path: str, body
             return OpenStream(resp, first, chunks)
     except (UpstreamRejected, AttemptFailed):
         await _close_quietly(resp)
+        raise
+    except asyncio.CancelledError:  # the client left: closing the response aborts the gen request
+        with anyio.CancelScope(shield=True):
+            await _close_quietly(resp)
         raise
     except StopAsyncIteration:
         await _close_quietly(resp)

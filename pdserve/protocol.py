@@ -53,6 +53,8 @@ class DisaggregatedParams(BaseModel):
     prompt_token_ids: list[int] | None = None
     kv_endpoint: str | None = None
     kv_layout: KVLayoutModel | None = None
+    kv_endpoints: list[str] | None = None          # one per ctx TP rank (rank order); [0] == kv_endpoint
+    kv_layouts: list[KVLayoutModel] | None = None  # one per ctx TP rank; [0] == kv_layout
     kv_block_count: int | None = None
     lease_deadline: float | None = None
 

@@ -23,11 +23,14 @@ MODEL = "SmolLM2-135M-Instruct"
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 
 
-def children_of(pid: int) -> list[int]:
+def children_of(pid: int, depth: int = 2) -> list[int]:
+    """Descendants down to ``depth`` levels: `pdserve up` -> orchestrator -> the servers it launches
+    (``launcher.kind: local``)."""
     try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except FileNotFoundError:
         return []
+    return kids + ([g for k in kids for g in children_of(k, depth - 1)] if depth > 1 else [])
 
 
 def alive(pid: int) -> bool:

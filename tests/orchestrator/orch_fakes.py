@@ -41,6 +41,7 @@ class Behavior:
     break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
+    answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Record:
     releases: list[str] = field(default_factory=list)
     leases: set[str] = field(default_factory=set)
     aborted_streams: int = 0
+    aborted_requests: int = 0              # non-stream requests whose client left before the answer
     finished_streams: int = 0
 
 
@@ -148,6 +150,12 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
         if body.get("stream"):
             return _gen_stream(beh, rec, chat, body)
         n = _max_tokens(body, chat)
+        deadline = time.monotonic() + beh.answer_delay_s
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                rec.aborted_requests += 1
+                return JSONResponse({}, status_code=499)
+            await asyncio.sleep(0.02)
         return JSONResponse(_answer(chat, text_of(n), "length", n, None))
 
     @app.post("/v1/chat/completions")

@@ -39,8 +39,8 @@ def test_ctx_down_server_retried(make_cluster):
     assert r.status_code == 200, r.text
     assert len(c.ctx[1].record.bodies) == 1
     status = httpx.get(c.url + "/cluster/status", timeout=5).json()
-    assert status["pools"]["ctx"][0]["state"] == "unhealthy"
-    assert "ConnectError" in status["pools"]["ctx"][0]["last_error"]
+    assert status["pools"]["ctx"]["servers"][0]["state"] == "unhealthy"
+    assert "ConnectError" in status["pools"]["ctx"]["servers"][0]["last_error"]
 
 
 def test_ctx_failing_everywhere_gives_503_naming_attempts(make_cluster):
@@ -129,7 +129,7 @@ def test_client_disconnect_aborts_gen_and_releases_lease(make_cluster):
     wait_for(lambda: len(c.ctx[0].record.releases) == 1)
     assert c.gen[0].record.finished_streams == 0
     status = httpx.get(c.url + "/cluster/status", timeout=5).json()
-    assert status["pools"]["gen"][0]["in_flight"] == 0
+    assert status["pools"]["gen"]["servers"][0]["in_flight"] == 0
 
 
 def test_health_503_until_every_pool_has_a_ready_server(make_cluster):
@@ -138,7 +138,7 @@ def test_health_503_until_every_pool_has_a_ready_server(make_cluster):
     time.sleep(0.2)
     r = httpx.get(c.url + "/health", timeout=5)
     assert r.status_code == 503
-    assert "gen pool has no ready server" in r.json()["error"]["message"]
+    assert "gen pool has 0 of 1 ready servers" in r.json()["error"]["message"]
     r = httpx.post(c.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert r.status_code == 503 and "no ready gen server" in r.json()["error"]["message"]
     c.gen[0].behavior.health_status = 200

@@ -103,9 +103,9 @@ def test_round_robin_spreads_over_ctx_and_gen(make_cluster):
 def test_cluster_status_and_metrics(cluster):
     httpx.post(cluster.url + "/v1/completions", json=COMPLETION, timeout=10)
     status = httpx.get(cluster.url + "/cluster/status", timeout=5).json()
-    assert [s["state"] for s in status["pools"]["ctx"]] == ["ready"]
-    assert status["pools"]["gen"][0]["url"] == cluster.gen[0].server.url
-    assert status["pools"]["gen"][0]["in_flight"] == 0
+    assert [s["state"] for s in status["pools"]["ctx"]["servers"]] == ["ready"]
+    assert status["pools"]["gen"]["servers"][0]["url"] == cluster.gen[0].server.url
+    assert status["pools"]["gen"]["servers"][0]["in_flight"] == 0
     text = httpx.get(cluster.url + "/metrics", timeout=5).text
     assert 'pdserve_orchestrator_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
     assert "pdserve_orchestrator_ttft_seconds_count" in text

@@ -1,0 +1,115 @@
+"""Prompt token ids at the orchestrator, without torch or transformers.
+
+The orchestrator needs token ids only for *routing decisions*: the KV block hashes of
+``kv_cache_aware`` and the prompt length of conditional disaggregation. The servers still tokenize
+every request themselves, so a difference here can only change where a request goes, never what it
+answers.
+
+Where the tokenizer comes from: every server answers ``GET /tokenizer`` with its HF
+``tokenizer.json`` text, chat template and special tokens (see ``executor/admin_routes.py``). The
+first time a request needs token ids, :class:`PromptTokenizer` fetches that from a ready server and
+builds a ``tokenizers.Tokenizer`` plus a sandboxed jinja2 chat template, the same way HF renders
+chat templates (``trim_blocks``, ``lstrip_blocks``). If no server can answer yet, the request is
+routed without token ids (round robin / least loaded, disaggregated) and the next one tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from .pools import Pool
+
+log = logging.getLogger("orchestrator.prompt_tokens")
+
+RETRY_AFTER_S = 2.0
+
+
+class LoadedTokenizer:
+    """``tokenizers.Tokenizer`` + chat template from a server's ``GET /tokenizer`` answer."""
+
+    def __init__(self, payload: dict) -> None:
+        import jinja2.sandbox
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_str(payload["tokenizer_json"])
+        self._special = {k: payload.get(k) or "" for k in ("bos_token", "eos_token")}
+        self._template = None
+        if payload.get("chat_template"):
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(payload["chat_template"])
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def prompt_ids(self, endpoint: str, body: dict) -> list[int]:
+        """Token ids of a validated client body (chat template for chat bodies)."""
+        if endpoint.endswith("/chat/completions"):
+            if self._template is None:
+                raise ValueError("the model has no chat template")
+            messages = [{"role": m["role"], "content": _text(m.get("content"))} for m in body["messages"]]
+            text = self._template.render(messages=messages, add_generation_prompt=body.get("add_generation_prompt", True),
+                                         **self._special)
+            return self.encode(text)
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)
+        return self.encode(prompt if isinstance(prompt, str) else str(prompt))
+
+
+def _text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+class PromptTokenizer:
+    """Lazily fetched tokenizer; :meth:`token_ids` returns ``None`` while none is available."""
+
+    def __init__(self, client: httpx.AsyncClient, pools: list[Pool], timeout_s: float = 5.0) -> None:
+        self._client = client
+        self._pools = pools
+        self._timeout_s = timeout_s
+        self._tok: LoadedTokenizer | None = None
+        self._lock = asyncio.Lock()
+        self._next_try_s = 0.0
+
+    @property
+    def loaded(self) -> bool:
+        return self._tok is not None
+
+    async def token_ids(self, endpoint: str, body: dict) -> list[int] | None:
+        tok = self._tok or await self._load()
+        if tok is None:
+            return None
+        try:
+            return tok.prompt_ids(endpoint, body)
+        except Exception as err:  # noqa: BLE001 - routing falls back; the server reports real errors
+            log.debug("cannot tokenize at the orchestrator: %s", err)
+            return None
+
+    async def _load(self) -> LoadedTokenizer | None:
+        async with self._lock:
+            if self._tok is not None or time.monotonic() < self._next_try_s:
+                return self._tok
+            for server in [s for p in self._pools for s in p.ready()]:
+                try:
+                    resp = await self._client.get(f"{server.url}/tokenizer", timeout=self._timeout_s)
+                    if resp.status_code == 200:
+                        self._tok = await asyncio.to_thread(LoadedTokenizer, resp.json())
+                        log.info("loaded the tokenizer from %s", server.url)
+                        return self._tok
+                except Exception as err:  # noqa: BLE001 - try the next server
+                    log.warning("GET %s/tokenizer failed: %s", server.url, err)
+            self._next_try_s = time.monotonic() + RETRY_AFTER_S
+            return None
