@@ -14,7 +14,7 @@ import time
 
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
-from executor.kv_role import KVHandoff, WorkerOps, WorkerRole
+from executor.kv_role import KVHandoff, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
 from kv_transfer.layout import KVLayout, blocks_for_tokens
 from kv_transfer.lease import LeaseTable
@@ -44,20 +44,24 @@ class CtxKVRole(WorkerRole):
         self._lock = threading.Lock()
         self._sent = {"kv_bytes_sent": 0, "kv_send_seconds": 0.0, "kv_sends": 0}
         self.leases: LeaseTable | None = None
-        self.server: KVServer | None = None
+        self.servers: list[KVServer] = []  # one per TP rank's shard, all on one lease table
 
-    def start(self, engine: LLMEngine, ops: WorkerOps) -> None:
+    def start(self, engine: LLMEngine, ops: WorkerOps, shards: RankShards) -> None:
         self.ops = ops
+        self.shard_layouts = list(shards.layouts)
         self.leases = LeaseTable(self._on_free, self.pull_delay_s)
-        self.server = make_kv_server(self.settings.backend, engine.kv_cache, self.layout, self.leases, self.host,
-                                     self.port, timeout_s=self.settings.timeout_ms / 1000.0, on_sent=self._on_sent)
+        for r, (cache, layout) in enumerate(zip(shards.caches, shards.layouts)):
+            port = self.port + r if self.port else 0
+            self.servers.append(make_kv_server(self.settings.backend, cache, layout, self.leases, self.host, port,
+                                               timeout_s=self.settings.timeout_ms / 1000.0, on_sent=self._on_sent))
         self.leases.start()
-        self.server.start()
+        for server in self.servers:
+            server.start()
 
     @property
     def endpoint(self) -> str:
-        assert self.server is not None, "start() first"
-        return self.server.endpoint
+        assert self.servers, "start() first"
+        return self.servers[0].endpoint
 
     def _on_free(self, ctx_request_id: str, reason: str) -> None:
         self.ops.post(lambda engine: engine.release_parked(ctx_request_id))
@@ -87,6 +91,7 @@ class CtxKVRole(WorkerRole):
         params = DisaggregatedParams(
             request_type="context_only", disagg_request_id=disagg_id, ctx_request_id=out.request_id,
             first_gen_tokens=list(out.new_token_ids), prompt_token_ids=prompt, kv_endpoint=self.endpoint, kv_layout=self.layout,
+            kv_endpoints=[s.endpoint for s in self.servers], kv_layouts=self.shard_layouts,
             kv_block_count=blocks_for_tokens(num_tokens, self.layout.block_size),
             lease_deadline=time.time() + lease_s)
         self.ops.deliver(out.request_id, KVHandoff(out.request_id, params))
@@ -104,12 +109,12 @@ class CtxKVRole(WorkerRole):
             sent = dict(self._sent)
         if leases is None:
             return sent
-        return {"kv_endpoint": self.server.endpoint if self.server else None, "parked_leases": len(leases),
+        return {"kv_endpoint": self.endpoint if self.servers else None, "parked_leases": len(leases),
                 "leases_expired": leases.expired_total, "leases_released": leases.released_total, **sent}
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+        for server in self.servers:
+            server.stop()
         if self.leases is not None:
             self.leases.stop()
 

@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_tokens: int = 2048
     max_model_len: int | None = None
     num_threads: int | None = None
+    kv_cache_file: str | None = None  # back the KV cache by this file (shared memory another process maps)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -1,8 +1,10 @@
 """LLMEngine: the single-threaded facade (add_request / step / abort / KV hand-off)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +20,8 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
+                       broadcast_message)
 from engine.validation import validate_request
 
 log = logging.getLogger(__name__)
@@ -26,29 +30,47 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     """One model, one paged KV cache, one scheduler. Call every method from one thread.
 
-    kv_cache: [num_kv_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], allocated
-    once and never replaced: other threads may copy parked / KVPull blocks while step() runs.
+    kv_cache: [num_kv_blocks, num_layers, 2 (K, V), block_size, local_kv_heads, head_dim],
+    allocated once and never replaced: other threads may copy parked / KVPull blocks while step()
+    runs. local_kv_heads == num_kv_heads without TP; with TP the rank's heads are
+    tp.kv_head_range(num_kv_heads, rank, size).
+
+    Tensor parallel (tp.size > 1): every rank builds an LLMEngine with its TPContext. Rank 0 is
+    used exactly as without TP (it also broadcasts each step's plan); the other ranks call
+    run_follower(), and hold no tokenizer, scheduler or block manager.
     """
 
-    def __init__(self, config: EngineConfig):
-        """Load weights and tokenizer, allocate the KV cache. Raises FileNotFoundError/ValueError."""
+    def __init__(self, config: EngineConfig, tp: TPContext | None = None):
+        """Load weights and tokenizer, allocate the KV cache. Raises FileNotFoundError/ValueError
+        (also when the model's KV heads cannot be split over tp.size)."""
         t0 = time.perf_counter()
         self.config = config
+        self.tp = tp or NO_TP
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = getattr(torch, config.dtype)
-        model, path = load_model(config.model, dtype)
+        model, path = load_model(config.model, dtype, self.tp)
         self.model_config = model.config
-        self.tokenizer = Tokenizer.from_model_path(path, model.config.eos_token_ids)
+        self.local_kv_heads = model.shard.num_kv_heads
         mc = model.config
-        self.kv_cache = torch.zeros(config.num_kv_blocks, mc.num_layers, 2, config.block_size,
-                                    mc.num_kv_heads, mc.head_dim, dtype=dtype)
+        self.kv_cache = _allocate_kv_cache((config.num_kv_blocks, mc.num_layers, 2, config.block_size,
+                                            self.local_kv_heads, mc.head_dim), dtype, config.kv_cache_file)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, Sampler())
+        self._plans: PlanBroadcaster | None = None
+        if not self.tp.is_driver:
+            barrier(self.tp)  # rank 0 loads a tokenizer too: wait for it here, not for a plan
+            log.info("engine TP rank %d/%d loaded %s (%s) in %.2f s", self.tp.rank, self.tp.size,
+                     path, config.dtype, time.perf_counter() - t0)
+            return
+        self.tokenizer = Tokenizer.from_model_path(path, model.config.eos_token_ids)
         self.max_model_len = self._max_model_len()
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, Sampler())
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self._to_emit: dict[str, Sequence] = {}
+        if self.tp.enabled:
+            barrier(self.tp)
+            self._plans = PlanBroadcaster(self.tp)
         log.info("engine loaded %s (%s) in %.2f s", path, config.dtype, time.perf_counter() - t0)
 
     def _max_model_len(self) -> int:
@@ -103,18 +125,84 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self._to_emit) or self.scheduler.has_work()
 
-    def step(self) -> StepResult:
-        """Schedule, run the model once, apply the sampled tokens; return outputs and KV pulls."""
+    def step(self, extra: object = None) -> StepResult:
+        """Schedule, run the model once, apply the sampled tokens; return outputs and KV pulls.
+
+        TP: the plan goes to the followers first, with `extra` (any picklable, not None), which
+        their on_extra receives before they run that step; extra is sent even when no model runs.
+        Raises RuntimeError when a follower died or stalled past the group's timeout.
+        """
+        self._require_driver()
         batch = self.scheduler.schedule()
         pulls = [KVPull(s.request_id, s.block_ids[:self.block_manager.blocks_needed(s.num_tokens)],
                         s.num_tokens) for s in batch.pulls]
+        has_extra = extra is not None
         if batch.items:
-            sampled = self.runner.execute(batch.items)
+            plan, seqs = self.runner.plan(batch.items)
+            with self._tp_unit():
+                self._broadcast(TPMessage(RUN, plan, extra, has_extra))
+                logits = self.runner.forward(plan)
+            sampled = self.runner.sample(seqs, logits)
             for seq, k in batch.items:
                 seq.num_computed += k
                 if seq.request_id in sampled:
                     self._apply_token(seq, sampled[seq.request_id])
+        elif has_extra:
+            self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         return StepResult(outputs=self._drain_outputs(), kv_pulls=pulls)
+
+    # ---- tensor parallel ------------------------------------------------------------------
+    def broadcast_extra(self, extra: object) -> None:
+        """Rank 0: hand `extra` (any picklable) to every follower's on_extra, outside a step."""
+        self._require_driver()
+        self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
+
+    def stop_followers(self) -> None:
+        """Rank 0: make every follower's run_follower() return and stop the keepalives; after
+        it, step() must not run the model again. No-op without TP (or when already stopped)."""
+        self._require_driver()
+        if self._plans is not None:
+            self._plans.stop()
+            self._plans = None
+
+    def run_follower(self, on_extra: Callable[[object], None] | None = None) -> None:
+        """Ranks > 0: run every plan rank 0 broadcasts until stop_followers().
+
+        on_extra(extra) runs before the step that carries it. Rank 0 sends keepalives while
+        idle, so this raises RuntimeError only when rank 0 dies or hangs for the group's timeout.
+        """
+        if self.tp.is_driver:
+            raise RuntimeError("run_follower() is for TP ranks > 0")
+        while True:
+            try:
+                msg = broadcast_message(self.tp, None)
+            except Exception:
+                log.exception("TP rank %d: no plan from rank 0 (timeout %.0f s or peer gone)",
+                              self.tp.rank, self.tp.timeout_s)
+                raise
+            if msg.kind == STOP:
+                return
+            if msg.has_extra and on_extra is not None:
+                on_extra(msg.extra)
+            if msg.kind == RUN:
+                self.runner.forward(msg.plan, compute_logits=False)
+
+    def _require_driver(self) -> None:
+        if not self.tp.is_driver:
+            raise RuntimeError(f"TP rank {self.tp.rank} is a follower: call run_follower()")
+
+    def _tp_unit(self):
+        """Hold the plan lock across a broadcast and its forward (see PlanBroadcaster)."""
+        return self._live_plans().lock if self.tp.enabled else contextlib.nullcontext()
+
+    def _broadcast(self, msg: TPMessage) -> None:
+        if self.tp.enabled:
+            self._live_plans().send(msg)
+
+    def _live_plans(self) -> PlanBroadcaster:
+        if self._plans is None:
+            raise RuntimeError("TP followers were stopped (stop_followers)")
+        return self._plans
 
     def _apply_token(self, seq: Sequence, token: int) -> None:
         reason = self.output_processor.add_token(seq, token)
@@ -136,3 +224,16 @@ class LLMEngine:
             outputs.append(self.output_processor.take_output(seq, parked))
         self._to_emit.clear()
         return outputs
+
+
+def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, path: str | None) -> torch.Tensor:
+    """A zeroed KV cache of ``shape``; with ``path``, backed by that file via a shared mapping so that
+    another process on the host (the server's rank 0, for tensor-parallel followers) can map it too."""
+    if path is None:
+        return torch.zeros(shape, dtype=dtype)
+    numel = 1
+    for d in shape:
+        numel *= d
+    cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    cache.zero_()
+    return cache

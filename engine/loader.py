@@ -11,15 +11,19 @@ from engine.gguf_file import load_gguf
 from engine.hf_files import load_hf_dir
 from engine.model import LlamaModel
 from engine.model_files import is_gguf, resolve_model_path
+from engine.tp import NO_TP, TPContext
 
 log = logging.getLogger(__name__)
 
 
-def load_model(spec: str, dtype: torch.dtype) -> tuple[LlamaModel, Path]:
-    """Return (model with weights in dtype, resolved path). Raises FileNotFoundError/ValueError."""
+def load_model(spec: str, dtype: torch.dtype, tp: TPContext = NO_TP) -> tuple[LlamaModel, Path]:
+    """Return (model with weights in dtype, resolved path). Raises FileNotFoundError/ValueError.
+
+    With TP every rank reads the whole checkpoint and keeps its shard.
+    """
     t0 = time.perf_counter()
     path = resolve_model_path(spec)
     config, state = load_gguf(path) if is_gguf(path) else load_hf_dir(path)
-    model = LlamaModel(config, state, dtype)
+    model = LlamaModel(config, state, dtype, tp)
     log.info("weights of %s loaded in %.2f s", path.name, time.perf_counter() - t0)
     return model, path

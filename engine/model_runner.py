@@ -1,5 +1,7 @@
-"""Turn a scheduled batch into model inputs, run the model and sample."""
+"""Turn a scheduled batch into an execution plan, run the model on it and sample."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -7,6 +9,28 @@ from engine.attention import AttentionMetadata, PrefillChunk
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.sequence import Sequence
+
+
+@dataclass
+class PlanItem:
+    """One sequence's share of a step: tokens [num_computed, num_computed + num_new)."""
+
+    num_computed: int
+    num_new: int
+    block_ids: list[int]
+
+
+@dataclass
+class ExecPlan:
+    """What one forward needs, as plain picklable data (TP rank 0 broadcasts it).
+
+    items: decodes (num_new == 1) first, then prefill chunks; input_ids: their new tokens
+    concatenated in that order; sample_rows: rows of input_ids whose logits are sampled.
+    """
+
+    input_ids: list[int]
+    items: list[PlanItem]
+    sample_rows: list[int]
 
 
 def _ordered(items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
@@ -27,49 +51,57 @@ class ModelRunner:
     def execute(self, items: list[tuple[Sequence, int]]) -> dict[str, int]:
         """Compute KV for the new tokens; return request_id -> sampled token for every sequence
         whose tokens are now all computed (decodes and final prefill chunks)."""
-        items = _ordered(items)
-        input_ids, positions, samplers = [], [], []
-        for seq, k in items:
+        plan, seqs = self.plan(items)
+        return self.sample(seqs, self.forward(plan))
+
+    def plan(self, items: list[tuple[Sequence, int]]) -> tuple[ExecPlan, list[Sequence]]:
+        """The plan of this step and the sequences its sample rows belong to (in row order)."""
+        input_ids, plan_items, rows, seqs = [], [], [], []
+        for seq, k in _ordered(items):
             c = seq.num_computed
             input_ids += seq.token_ids[c:c + k]
-            positions += range(c, c + k)
+            plan_items.append(PlanItem(c, k, seq.block_ids[:-(-(c + k) // self.block_size)]))
             if c + k == seq.num_tokens:
-                samplers.append((seq, len(input_ids) - 1))
-        if not samplers:
-            rows = torch.empty(0, dtype=torch.long)
-        else:
-            rows = torch.tensor([r for _, r in samplers])
-        pos = torch.tensor(positions, dtype=torch.long)
-        meta = self._metadata(items, pos)
-        logits = self.model.forward(torch.tensor(input_ids), pos, rows, self.kv_cache, meta)
-        if not samplers:
+                rows.append(len(input_ids) - 1)
+                seqs.append(seq)
+        return ExecPlan(input_ids, plan_items, rows), seqs
+
+    def forward(self, plan: ExecPlan, compute_logits: bool = True) -> torch.Tensor | None:
+        """Run the model on plan (writes the KV); float32 logits [len(sample_rows), vocab]."""
+        pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
+                         for it in plan.items])
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long)
+        meta = self._metadata(plan.items, pos)
+        return self.model.forward(torch.tensor(plan.input_ids, dtype=torch.long), pos, rows,
+                                  self.kv_cache, meta, compute_logits=compute_logits)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
+        if not seqs:
             return {}
-        seqs = [s for s, _ in samplers]
         tokens = self.sampler.sample(logits, [s.sampling for s in seqs],
                                      [s.num_output_tokens for s in seqs])
         return {s.request_id: t for s, t in zip(seqs, tokens)}
 
-    def _metadata(self, items: list[tuple[Sequence, int]], pos: torch.Tensor
-                  ) -> AttentionMetadata:
+    def _metadata(self, items: list[PlanItem], pos: torch.Tensor) -> AttentionMetadata:
         bs = self.block_size
-        tables = [torch.tensor(seq.block_ids, dtype=torch.long) for seq, _ in items]
+        tables = [torch.tensor(it.block_ids, dtype=torch.long) for it in items]
         slot_blocks = torch.cat([t[pos_slice // bs] for t, pos_slice in
-                                 zip(tables, _split(pos, [k for _, k in items]))])
-        decodes = [(seq, t) for (seq, k), t in zip(items, tables) if k == 1]
+                                 zip(tables, torch.split(pos, [it.num_new for it in items]))])
+        decodes = [(it, t) for it, t in zip(items, tables) if it.num_new == 1]
         meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=pos % bs,
                                  num_decodes=len(decodes), decode_tables=None, decode_max_ctx=0,
                                  decode_mask=None, prefills=[])
         if decodes:
             self._decode_metadata(meta, decodes)
         start = len(decodes)
-        for (seq, k), table in zip(items[len(decodes):], tables[len(decodes):]):
-            meta.prefills.append(self._chunk(seq, k, table, start))
-            start += k
+        for it, table in zip(items[len(decodes):], tables[len(decodes):]):
+            meta.prefills.append(self._chunk(it, table, start))
+            start += it.num_new
         return meta
 
     def _decode_metadata(self, meta: AttentionMetadata,
-                         decodes: list[tuple[Sequence, torch.Tensor]]) -> None:
-        ctx = [seq.num_computed + 1 for seq, _ in decodes]
+                         decodes: list[tuple[PlanItem, torch.Tensor]]) -> None:
+        ctx = [it.num_computed + 1 for it, _ in decodes]
         max_ctx = max(ctx)
         nb = -(-max_ctx // self.block_size)
         tables = torch.zeros(len(decodes), nb, dtype=torch.long)
@@ -82,8 +114,8 @@ class ModelRunner:
             key = torch.arange(max_ctx)
             meta.decode_mask = (key[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :]
 
-    def _chunk(self, seq: Sequence, k: int, table: torch.Tensor, start: int) -> PrefillChunk:
-        c = seq.num_computed
+    def _chunk(self, it: PlanItem, table: torch.Tensor, start: int) -> PrefillChunk:
+        c, k = it.num_computed, it.num_new
         ctx = c + k
         mask = None
         if c > 0:
@@ -91,7 +123,3 @@ class ModelRunner:
             mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
         return PrefillChunk(start=start, length=k, ctx_len=ctx,
                             block_ids=table[:-(-ctx // self.block_size)], mask=mask)
-
-
-def _split(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(x, sizes))

@@ -19,7 +19,7 @@ def make_tiny_llama(path: Path, seed: int = 0, tokenizer_from: str = "smollm2",
 
     overrides: LlamaConfig fields (e.g. num_hidden_layers=4). tokenizer_from: a model spec, or a
     directory holding only tokenizer files (fast), whose tokenizer is saved alongside (its
-    vocabulary should be <= vocab_size). Loading the SmolLM2 tokenizer from GGUF takes ~10 s.
+    vocabulary should be <= vocab_size).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -20,6 +20,17 @@ def _generation_eos(model_dir: Path) -> list[int]:
     return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
+def _from_gguf(path: Path) -> Any:
+    """Fast path from the GGUF metadata; transformers' (slow) GGUF conversion otherwise."""
+    from engine.gguf_tokenizer import hf_tokenizer_from_gguf
+    try:
+        return hf_tokenizer_from_gguf(path)
+    except ValueError as e:
+        log.info("%s: %s; using transformers' GGUF tokenizer conversion", path.name, e)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 class Tokenizer:
     """encode/decode/apply_chat_template plus the EOS ids and vocabulary size.
 
@@ -41,7 +52,7 @@ class Tokenizer:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         eos = list(eos_token_ids or [])
         if is_gguf(path):
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            hf = _from_gguf(path)
         else:
             hf = AutoTokenizer.from_pretrained(str(path))
             eos += [e for e in _generation_eos(path) if e not in eos]

@@ -44,7 +44,8 @@ def lattice_state(cfg: ServerConfig, info: AttachInfo) -> tuple[ServerState, Lat
     tokenizer = Tokenizer.from_model_path(resolve_model_path(cfg.model.path), list(wi["eos_token_ids"]))
     client = LatticeClient(info, tokenizer)
     client.start()
-    state = make_state(cfg, client, KVLayoutModel.model_validate(wi["kv_layout"]), int(wi["vocab_size"]))
+    layouts = [KVLayoutModel.model_validate(x) for x in wi.get("kv_layouts") or [wi["kv_layout"]]]
+    state = make_state(cfg, client, layouts[0], int(wi["vocab_size"]), layouts)
     state.frontend_id = info.frontend_id
     state.on_shutdown.append(client.shutdown)
     return state, client

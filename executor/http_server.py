@@ -81,6 +81,7 @@ class ServerState:
     vocab_size: int
     routers: list[APIRouter] = field(default_factory=list)
     frontend_id: int = 0  # which frontend of the server this process is (x-pdserve-frontend header)
+    kv_layouts: list[KVLayoutModel] = field(default_factory=list)  # every TP rank's layout (rank order)
     on_startup: list[Callable[[], None]] = field(default_factory=list)
     on_shutdown: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
@@ -206,6 +207,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             stats = {**state.client.stats(), "stale": True}
         return {"role": cfg.role, "index": cfg.index, "model": cfg.model.name, "state": state.client.state.value,
                 "kv_layout": state.kv_layout.model_dump(), "kv_backend": state.kv_backend,
+                "kv_layouts": [layout.model_dump() for layout in state.kv_layouts or [state.kv_layout]],
                 "max_model_len": state.client.max_model_len, **stats}
 
     @app.get("/metrics")

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
-from executor.kv_role import WorkerRole
+from executor.kv_role import RankShards, WorkerRole
 from executor.streams import RequestStream
 from pdserve.protocol import DisaggregatedParams
 
@@ -30,9 +30,10 @@ IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the command queue before 
 class InProcessExecutor(EngineClient):
     """Engine loop in a background thread; owned by the server, stopped by :meth:`shutdown`."""
 
-    def __init__(self, engine: LLMEngine, role: WorkerRole | None = None) -> None:
+    def __init__(self, engine: LLMEngine, role: WorkerRole | None = None, shards: RankShards | None = None) -> None:
         self._engine = engine
         self._role = role or WorkerRole()
+        self._shards = shards or RankShards([engine.kv_cache], [])
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams, _state, _dead_reason
@@ -45,7 +46,7 @@ class InProcessExecutor(EngineClient):
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the role and the engine loop thread, then open the admission gate."""
-        self._role.start(self._engine, self)
+        self._role.start(self._engine, self, self._shards)
         self._thread.start()
         with self._lock:
             if self._state == EngineState.STARTING:

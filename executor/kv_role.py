@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class RankShards:
+    """Every TP rank's KV cache and layout as rank 0 sees them (rank order; one entry without TP).
+
+    Follower ranks keep their caches in shared-memory files that rank 0 maps, so rank 0's transceiver
+    moves every shard: the ranks of one server share one host.
+    """
+
+    caches: list
+    layouts: list
+
+
+@dataclass
 class KVHandoff:
     """A ``context_only`` request was parked: the params the orchestrator forwards to a gen server."""
 
@@ -55,7 +67,7 @@ class WorkerRole:
 
     name = "colocated"
 
-    def start(self, engine: "LLMEngine", ops: WorkerOps) -> None:
+    def start(self, engine: "LLMEngine", ops: WorkerOps, shards: RankShards) -> None:
         """Called once on the loop owner before the first request; the role may start threads."""
 
     def on_submit(self, request: "EngineRequest", disagg: "DisaggregatedParams | None") -> None:

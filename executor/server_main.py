@@ -26,6 +26,7 @@ import uvicorn
 
 from executor import registration
 from executor.http_server import ServerState, create_server_app
+from executor.kv_role import RankShards
 from executor.metrics import RoleStatsCollector, ServerMetrics
 from executor.phases import ColocatedPhase
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
@@ -48,24 +49,30 @@ def load_plugin(path: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-def engine_config(cfg: ServerConfig):
+def engine_config(cfg: ServerConfig, kv_cache_file: str | None = None):
     """Map the topology's engine settings onto the engine's own config."""
     from engine.config import EngineConfig
 
     e = cfg.engine
+    extra = {"kv_cache_file": kv_cache_file} if kv_cache_file else {}
     return EngineConfig(model=cfg.model.path, dtype=e.dtype, block_size=e.block_size, num_kv_blocks=e.num_kv_blocks,
                         max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
-                        max_model_len=e.max_model_len, num_threads=e.num_threads)
+                        max_model_len=e.max_model_len, num_threads=e.num_threads, **extra)
 
 
-def kv_layout(cfg: ServerConfig, engine) -> KVLayoutModel:
-    """This server's KV layout (single rank: tp_rank 0 of 1)."""
+def kv_layout(cfg: ServerConfig, engine, tp_rank: int = 0, tp_size: int = 1) -> KVLayoutModel:
+    """The KV layout of TP rank ``tp_rank`` of ``tp_size`` (its share of the KV heads)."""
+    from engine.tp import kv_head_range
+
     mc = engine.model_config
-    return KVLayoutModel(model=cfg.model.name, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                         head_dim=mc.head_dim, block_size=cfg.engine.block_size, dtype=cfg.engine.dtype)
+    lo, hi = kv_head_range(mc.num_kv_heads, tp_rank, tp_size)
+    return KVLayoutModel(model=cfg.model.name, num_layers=mc.num_layers, num_kv_heads=hi - lo,
+                         head_dim=mc.head_dim, block_size=cfg.engine.block_size, dtype=cfg.engine.dtype,
+                         tp_rank=tp_rank, tp_size=tp_size)
 
 
-def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int) -> ServerState:
+def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int,
+               layouts: list[KVLayoutModel] | None = None) -> ServerState:
     """The HTTP state of one frontend, with the role's handlers and routes added."""
     from kv_transfer.factory import resolve_backend
 
@@ -73,7 +80,8 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
     metrics = ServerMetrics(cfg.role, backend)
     metrics.registry.register(RoleStatsCollector(client.stats))
     state = ServerState(config=cfg, client=client, handlers={"context_and_generation": ColocatedPhase(client)},
-                        metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size)
+                        metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
+                        kv_layouts=list(layouts or [layout]))
     load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
     return state
 
@@ -83,12 +91,15 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
     from engine.llm_engine import LLMEngine
     from executor.inproc_executor import InProcessExecutor
 
+    if cfg.engine.tp_size > 1:
+        raise ValueError(f"engine.executor 'inproc' runs one rank; tp_size={cfg.engine.tp_size} needs executor 'mpi'")
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config(cfg))
     log.info("%s[%d]: engine ready in %.1f s (context window %d tokens)", cfg.role, cfg.index,
              time.perf_counter() - t0, engine.max_model_len)
     layout = kv_layout(cfg, engine)
-    executor = InProcessExecutor(engine, load_plugin(ROLE_PLUGINS[cfg.role][0])(cfg, layout))
+    executor = InProcessExecutor(engine, load_plugin(ROLE_PLUGINS[cfg.role][0])(cfg, layout),
+                                 RankShards([engine.kv_cache], [layout]))
     state = make_state(cfg, executor, layout, engine.model_config.vocab_size)
     state.on_shutdown.append(executor.shutdown)
     executor.start()

@@ -27,7 +27,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
 from executor.engine_client import EngineNotServingError, EngineState
 from executor.ipc import MAX_BATCH, Codec, lane_of
-from executor.kv_role import WorkerRole
+from executor.kv_role import RankShards, WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ class WorkerLoop:
     """Owns the engine on rank 0 and serves every frontend through the IPC lanes."""
 
     def __init__(self, engine: LLMEngine, role: WorkerRole, codec: Codec, ingress_addr: str,
-                 lane_addrs: list[str]) -> None:
-        self.engine, self.role, self.codec = engine, role, codec
+                 lane_addrs: list[str], shards: RankShards) -> None:
+        self.engine, self.role, self.codec, self.shards = engine, role, codec, shards
         self.zctx = zmq.Context()
         self.ingress = self.zctx.socket(zmq.PULL)
         self.ingress.bind(ingress_addr)
@@ -83,7 +83,7 @@ class WorkerLoop:
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until a ``shutdown`` message. Exceptions propagate (the rank then exits non-zero)."""
-        self.role.start(self.engine, self)
+        self.role.start(self.engine, self, self.shards)
         poller = zmq.Poller()
         poller.register(self.ingress, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)

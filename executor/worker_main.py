@@ -41,8 +41,30 @@ def _handshake_socket(zctx: zmq.Context, addr: str, rank: int) -> zmq.Socket:
     return sock
 
 
-def build_worker(spec: dict, rank: int, size: int):
-    """Load the engine (this rank's shard) and the worker role. Returns (engine, role, info)."""
+def kv_cache_file(ipc: Path, rank: int) -> Path:
+    """Where TP rank ``rank`` keeps its KV cache (shared memory file rank 0 maps)."""
+    return ipc / f"kv_rank{rank}.bin"
+
+
+def init_tensor_parallel(comm, rank: int, size: int, timeout_s: float):
+    """Join the TP group: rank 0 picks a free loopback port and tells the others over MPI."""
+    if size == 1:
+        return None
+    import socket
+
+    from engine.tp import init_tp
+
+    port = None
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    return init_tp(rank, size, "127.0.0.1", port, backend="gloo", timeout_s=timeout_s)
+
+
+def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
+    """Load this rank's engine shard; rank 0 also builds the worker role. Returns (engine, role, info)."""
     from engine.llm_engine import LLMEngine
     from executor.server_main import engine_config, kv_layout, load_plugin
     from pdserve.config import ServerConfig
@@ -50,39 +72,72 @@ def build_worker(spec: dict, rank: int, size: int):
     if os.environ.get(CRASH_ENV) == str(rank):
         raise RuntimeError(f"injected start-up crash ({CRASH_ENV}={rank})")
     cfg = ServerConfig.model_validate(spec["server"])
-    engine = LLMEngine(engine_config(cfg))
-    layout = kv_layout(cfg, engine)
-    role = load_plugin(spec["role_plugin"])(cfg, layout)
+    econf = engine_config(cfg, kv_cache_file=str(kv_cache_file(ipc, rank)) if size > 1 else None)
+    engine = LLMEngine(econf, tp=tp) if tp is not None else LLMEngine(econf)
+    if rank > 0:  # a follower holds only its model shard and KV cache
+        return engine, None, {}
+    layouts = [kv_layout(cfg, engine, r, size) for r in range(size)]
+    role = load_plugin(spec["role_plugin"])(cfg, layouts[0])
     mc = engine.model_config
     info = {"max_model_len": engine.max_model_len, "vocab_size": mc.vocab_size,
-            "eos_token_ids": list(mc.eos_token_ids), "kv_layout": layout.model_dump(),
+            "eos_token_ids": list(mc.eos_token_ids), "kv_layout": layouts[0].model_dump(),
+            "kv_layouts": [layout.model_dump() for layout in layouts],
             "model_path": str(spec["server"]["model"]["path"])}
     return engine, role, info
+
+
+def rank_shards(engine, info: dict, ipc: Path, size: int):
+    """Rank 0's view of every rank's KV cache: its own, plus the followers' shared-memory files."""
+    import torch
+
+    from executor.kv_role import RankShards
+    from pdserve.protocol import KVLayoutModel
+
+    layouts = [KVLayoutModel.model_validate(x) for x in info["kv_layouts"]]
+    caches = [engine.kv_cache]
+    for r in range(1, size):
+        shape = (*engine.kv_cache.shape[:4], layouts[r].num_kv_heads, engine.kv_cache.shape[5])
+        numel = 1
+        for d in shape:
+            numel *= d
+        caches.append(torch.from_file(str(kv_cache_file(ipc, r)), shared=True, size=numel,
+                                      dtype=engine.kv_cache.dtype).view(shape))
+    return RankShards(caches, layouts)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m executor.worker_main")
     p.add_argument("--ipc-dir", required=True)
     args = p.parse_args(argv)
+    ipc = Path(args.ipc_dir)
+    spec = json.loads((ipc / "spec.json").read_text())
+    # Load UCX before MPI: the mpich wheel brings its own libucs, and whichever loads first wins;
+    # ucxx loaded after it fails with "undefined symbol: ucs_ifname_to_ndev_index".
+    backend = spec["server"]["kv_transfer"]["backend"]
+    if backend in ("auto", "ucx"):
+        from kv_transfer.factory import resolve_backend
+
+        resolve_backend(backend)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    ipc = Path(args.ipc_dir)
-    spec = json.loads((ipc / "spec.json").read_text())
     codec = Codec((ipc / "key").read_bytes())
     zctx = zmq.Context()
     hs = _handshake_socket(zctx, spec["ready_addr"], rank)
     pid = os.getpid()
     hs.send(codec.encode(("hello", rank, pid, proc_start_time(pid))))
     try:
-        engine, role, info = build_worker(spec, rank, size)
+        tp = init_tensor_parallel(comm, rank, size, float(spec.get("tp_timeout_s", 600)))
+        engine, role, info = build_worker(spec, rank, size, tp, ipc)
+        comm.Barrier()  # every rank's KV cache file exists before rank 0 maps them
         loop = None
         if rank == 0:
             from executor.worker_loop import WorkerLoop
 
-            loop = WorkerLoop(engine, role, codec, spec["ingress_addr"], spec["lane_addrs"])
+            loop = WorkerLoop(engine, role, codec, spec["ingress_addr"], spec["lane_addrs"],
+                              rank_shards(engine, info, ipc, size))
     except Exception as err:  # noqa: BLE001 - reported to the proxy, then the rank exits
         cause = f"{type(err).__name__}: {err}"
         log.error("start-up failed: %s\n%s", cause, traceback.format_exc())
@@ -94,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("no ack from the proxy within %d ms; exiting", ACK_TIMEOUT_MS)
         return 1
     codec.decode(hs.recv())
-    if loop is None:
-        log.error("tensor parallel follower ranks are not supported by this build")
-        return 1
     log.info("serving")
+    if loop is None:  # a tensor-parallel follower: run rank 0's plans until it says stop
+        engine.run_follower()
+        hs.close()
+        return 0
     try:
         loop.run()
     except Exception as err:  # noqa: BLE001 - the engine is dead: tell the frontends, exit non-zero
@@ -105,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         loop.broadcast_dead(f"worker rank {rank} failed: {type(err).__name__}: {err}")
         return 1
     finally:
+        if size > 1:
+            engine.stop_followers()
         loop.close()
         hs.close()
         zctx.term()

@@ -15,21 +15,21 @@ from executor.http_server import ServerState
 from executor.kv_role import KVTransferDone
 from executor.metrics import ServerMetrics
 from executor.phases import PhaseAnswer, PhaseError
-from kv_transfer.layout import KVLayout, KVLayoutMismatch, check_pairing
+from kv_transfer.layout import KVLayout, KVLayoutMismatch, check_tp_pairing
 from pdserve.protocol import DisaggregatedParams
 
 
 class GenerationPhase:
     """Runs ``generation_only`` requests: KV pull (worker side), then decode."""
 
-    def __init__(self, client: EngineClient, layout: KVLayout, metrics: ServerMetrics) -> None:
-        self.client, self.layout, self.metrics = client, layout, metrics
+    def __init__(self, client: EngineClient, layouts: list[KVLayout], metrics: ServerMetrics) -> None:
+        self.client, self.layouts, self.metrics = client, layouts, metrics
 
     async def __call__(self, request: EngineRequest, params: DisaggregatedParams | None,
                        answer: PhaseAnswer) -> AsyncIterator[RequestOutput]:
         assert params is not None and params.kv_layout is not None  # enforced by DisaggregatedParams
         try:
-            check_pairing(self.layout, params.kv_layout)
+            check_tp_pairing(self.layouts, params.kv_layouts or [params.kv_layout])
         except KVLayoutMismatch as err:
             self.metrics.errors.labels(kind="kv_layout_mismatch").inc()
             raise PhaseError(str(err), 409, "kv_layout_mismatch") from None
@@ -43,4 +43,4 @@ class GenerationPhase:
 
 def setup_gen_frontend(state: ServerState) -> None:
     """Add the ``generation_only`` handler to a gen server."""
-    state.handlers["generation_only"] = GenerationPhase(state.client, state.kv_layout, state.metrics)
+    state.handlers["generation_only"] = GenerationPhase(state.client, state.kv_layouts or [state.kv_layout], state.metrics)

@@ -14,11 +14,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, KVPull
-from executor.kv_role import KVTransferDone, WorkerOps, WorkerRole
+from executor.kv_role import KVTransferDone, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
-from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens
+from kv_transfer.formatter import pull_plan
+from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens, check_tp_pairing
 from kv_transfer.factory import KVClient, make_kv_client
 from kv_transfer.wire import KVTransferError
 from pdserve.config import KVTransferSettings
@@ -36,15 +39,15 @@ class GenKVRole(WorkerRole):
 
     def __init__(self, settings: KVTransferSettings, layout: KVLayout) -> None:
         self.settings, self.layout = settings, layout
-        self._clients: dict[str, KVClient] = {}  # endpoint scheme ("tcp", "ucx") -> client, made on first use
+        self._clients: dict[tuple[str, str], KVClient] = {}  # (scheme, layout) -> client, made on first use
         self._sources: dict[str, DisaggregatedParams] = {}
         self._in_flight: dict[str, bool] = {}  # request id -> aborted while pulling
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
         self._received = {"kv_bytes_received": 0, "kv_receive_seconds": 0.0, "kv_pulls": 0, "kv_pull_failures": 0}
 
-    def start(self, engine: LLMEngine, ops: WorkerOps) -> None:
-        self.engine, self.ops = engine, ops
+    def start(self, engine: LLMEngine, ops: WorkerOps, shards: RankShards) -> None:
+        self.engine, self.ops, self.shards = engine, ops, shards
 
     def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
         if disagg is not None and disagg.request_type == "generation_only":
@@ -66,10 +69,9 @@ class GenKVRole(WorkerRole):
     def _pull(self, pull: KVPull, src: DisaggregatedParams, dst: list[int]) -> None:
         rid, t0 = pull.request_id, time.perf_counter()
         error: str | None = None
+        nbytes = 0
         try:
-            client = self._client_for(src.kv_endpoint)
-            nbytes = client.pull(src.kv_endpoint, src.ctx_request_id, src.kv_layout, self.engine.kv_cache,
-                                 dst, self.settings.timeout_ms / 1000.0)
+            nbytes = self._pull_shards(src, dst)
         except (KVTransferError, KVLayoutMismatch) as err:
             error = f"KV transfer failed: {err}"
         except Exception as err:  # noqa: BLE001 - a pull thread must always report back
@@ -90,15 +92,55 @@ class GenKVRole(WorkerRole):
         ok = error is None and not aborted
         self.ops.post(lambda engine: engine.kv_ready(rid, ok))
 
-    def _client_for(self, endpoint: str) -> KVClient:
-        """The transceiver that speaks the ctx server's backend (the endpoint's scheme)."""
+    def _pull_shards(self, src: DisaggregatedParams, dst: list[int]) -> int:
+        """Pull every gen rank's heads from the ctx ranks that hold them, then release the lease once.
+
+        Equal TP sizes: ctx rank r → gen rank r straight into its cache. Different TP sizes: each
+        contributing ctx rank's blocks land in a staging tensor and the formatter's head slice is
+        copied into the gen rank's cache (:func:`kv_transfer.formatter.pull_plan`).
+        """
+        ctx_layouts = list(src.kv_layouts or [src.kv_layout])
+        ctx_eps = list(src.kv_endpoints or [src.kv_endpoint])
+        gen_layouts, caches = self.shards.layouts, self.shards.caches
+        check_tp_pairing(gen_layouts, ctx_layouts)
+        timeout_s = self.settings.timeout_ms / 1000.0
+        single = len(ctx_layouts) == len(gen_layouts) == 1
+        nbytes = 0
+        if len(ctx_layouts) == len(gen_layouts):
+            for r, cache in enumerate(caches):
+                client = self._client_for(ctx_eps[r], ctx_layouts[r])
+                nbytes += client.pull(ctx_eps[r], src.ctx_request_id, ctx_layouts[r], cache, dst, timeout_s,
+                                      release=single)
+        else:
+            heads = sum(l.num_kv_heads for l in ctx_layouts)
+            index = torch.tensor(dst)
+            for g, cache in enumerate(caches):
+                for piece in pull_plan(heads, len(ctx_layouts), len(gen_layouts), g):
+                    k = piece.ctx_rank
+                    staging = torch.empty((len(dst), *cache.shape[1:4], ctx_layouts[k].num_kv_heads, cache.shape[5]),
+                                          dtype=cache.dtype)
+                    client = self._client_for(ctx_eps[k], ctx_layouts[k])
+                    nbytes += client.pull(ctx_eps[k], src.ctx_request_id, ctx_layouts[k], staging,
+                                          list(range(len(dst))), timeout_s, release=False)
+                    cache[index, :, :, :, piece.dst_start:piece.dst_stop] = staging[..., piece.src_start:piece.src_stop, :]
+        if not single:
+            self._client_for(ctx_eps[0], ctx_layouts[0]).release(ctx_eps[0], src.ctx_request_id, timeout_s)
+        return nbytes
+
+    def _client_for(self, endpoint: str, layout: KVLayout) -> KVClient:
+        """A transceiver that speaks the ctx server's backend (the endpoint's scheme) for ``layout``.
+
+        A client declares the layout it receives into, so staging pulls (TP mismatch) use one client
+        per ctx rank layout; clients are cached.
+        """
         scheme = endpoint.partition("://")[0]
         if scheme not in ("tcp", "ucx"):
             raise KVTransferError(f"unsupported KV endpoint {endpoint!r}")
+        key = (scheme, layout.model_dump_json())
         with self._lock:
-            client = self._clients.get(scheme)
+            client = self._clients.get(key)
             if client is None:
-                client = self._clients[scheme] = make_kv_client(scheme, self.layout)
+                client = self._clients[key] = make_kv_client(scheme, layout)
                 client.start()
         return client
 

@@ -1,7 +1,7 @@
 """TP-mismatch formatter: re-slice KV heads when ctx ``tp_size`` ≠ gen ``tp_size``.
 
-Rank ``k`` of a TP group of size ``T`` holds the KV heads ``[k*H/T, (k+1)*H/T)`` of the model's
-``H`` KV heads, in every layer, for K and V alike. Blocks are block-major,
+Rank ``k`` of a TP group of size ``T`` holds the KV heads ``[floor(k*H/T), floor((k+1)*H/T))`` of
+the model's ``H`` KV heads (uneven splits allowed), in every layer, for K and V alike. Blocks are block-major,
 ``[n, num_layers, 2, block_size, heads, head_dim]``, so heads are dimension 4.
 
 **Pull plan.** Gen rank ``g`` of ``Tg`` needs global heads ``[g*H/Tg, (g+1)*H/Tg)``. Each ctx rank
@@ -39,13 +39,12 @@ class HeadSlice(NamedTuple):
 
 
 def head_range(num_heads: int, rank: int, tp_size: int) -> tuple[int, int]:
-    """Global KV heads held by ``rank`` of ``tp_size``. Raises ``ValueError`` if they do not divide."""
-    if tp_size < 1 or not 0 <= rank < tp_size:
-        raise ValueError(f"bad TP rank {rank} of {tp_size}")
-    if num_heads % tp_size:
-        raise ValueError(f"{num_heads} KV heads do not split over tp_size={tp_size}")
-    per = num_heads // tp_size
-    return rank * per, (rank + 1) * per
+    """Global KV heads ``[start, stop)`` held by ``rank`` of ``tp_size``: the engine's own partition
+    (:func:`engine.tp.kv_head_range`, contiguous and as even as possible, so 3 heads over TP=2 are
+    2 + 1). Raises ``ValueError`` for a bad rank or more ranks than heads."""
+    from engine.tp import kv_head_range
+
+    return kv_head_range(num_heads, rank, tp_size)
 
 
 def pull_plan(num_heads: int, ctx_tp: int, gen_tp: int, gen_rank: int) -> list[HeadSlice]:

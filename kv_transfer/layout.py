@@ -48,3 +48,24 @@ def bytes_per_block(layout: KVLayout) -> int:
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks holding the KV of ``num_tokens`` tokens (ceil division)."""
     return math.ceil(num_tokens / block_size)
+
+
+_SHARED_FIELDS = ("model", "dtype", "block_size", "num_layers", "head_dim")
+
+
+def check_tp_pairing(gen: list[KVLayout], ctx: list[KVLayout]) -> None:
+    """Refuse a transfer between two TP groups (one layout per rank, rank order) that cannot pair.
+
+    Everything but the head split must match; the total KV heads must be equal (the formatter
+    re-slices heads when the TP sizes differ).
+
+    Raises:
+        KVLayoutMismatch: naming every field that differs, with both values.
+    """
+    g, c = gen[0], ctx[0]
+    diffs = [f"{f} gen={getattr(g, f)!r} ctx={getattr(c, f)!r}" for f in _SHARED_FIELDS if getattr(g, f) != getattr(c, f)]
+    heads_g, heads_c = sum(x.num_kv_heads for x in gen), sum(x.num_kv_heads for x in ctx)
+    if heads_g != heads_c:
+        diffs.append(f"total num_kv_heads gen={heads_g} ctx={heads_c}")
+    if diffs:
+        raise KVLayoutMismatch("KV layout mismatch: " + "; ".join(diffs))

@@ -28,12 +28,12 @@ def test_concurrent_equals_alone(tiny_engine):
 
 def _record_steps(engine) -> list[list[int]]:
     steps: list[list[int]] = []
-    orig = ModelRunner.execute
+    orig = ModelRunner.plan
 
     def spy(items):
         steps.append([k for _, k in items])
         return orig(engine.runner, items)
-    engine.runner.execute = spy
+    engine.runner.plan = spy
     return steps
 
 

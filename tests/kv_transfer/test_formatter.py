@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kv_transfer.formatter import HeadSlice, assemble, head_range, pull_plan, reformat, split_heads
+from kv_transfer.formatter import HEADS_AXIS, HeadSlice, assemble, head_range, pull_plan, reformat, split_heads
 
 H, D = 4, 8
 
@@ -43,6 +43,16 @@ def test_ctx1_to_gen2_splits_heads():
     assert torch.equal(rank1, full[..., 2:4, :])
 
 
-def test_heads_that_do_not_divide_are_refused():
-    with pytest.raises(ValueError, match="3 KV heads do not split over tp_size=2"):
-        pull_plan(3, 1, 2, 0)
+def test_uneven_split_like_smollm2():
+    """SmolLM2 has 3 KV heads: TP=2 ranks hold 1 + 2 (the engine's partition); the plan follows it."""
+    full = torch.arange(2 * 1 * 2 * 1 * 3 * 1, dtype=torch.float32).reshape(2, 1, 2, 1, 3, 1)
+    ranks = [assemble({0: full}, pull_plan(3, 1, 2, g)) for g in range(2)]
+    assert sum(r.shape[HEADS_AXIS] for r in ranks) == 3
+    assert torch.equal(torch.cat(ranks, dim=HEADS_AXIS), full)
+    # ... and back: ctx TP=2 (uneven) -> gen TP=1 reconstructs every head in order.
+    assert torch.equal(assemble(dict(enumerate(ranks)), pull_plan(3, 2, 1, 0)), full)
+
+
+def test_more_ranks_than_heads_are_refused():
+    with pytest.raises(ValueError, match="cannot be split"):
+        pull_plan(2, 1, 3, 0)
