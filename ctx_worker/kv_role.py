@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 from engine.llm_engine import LLMEngine
@@ -18,6 +17,7 @@ from executor.kv_role import KVHandoff, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
 from kv_transfer.layout import KVLayout, blocks_for_tokens
 from kv_transfer.lease import LeaseTable
+from kv_transfer.stats import TransferStats
 from kv_transfer.factory import KVServer, make_kv_server
 from pdserve.config import KVTransferSettings
 from pdserve.protocol import DisaggregatedParams
@@ -41,8 +41,7 @@ class CtxKVRole(WorkerRole):
         self.settings, self.layout, self.host, self.port = settings, layout, host, port
         self.pull_delay_s = pull_delay_s
         self._pending: dict[str, tuple[str | None, list[int]]] = {}  # request id -> (disagg id, prompt)
-        self._lock = threading.Lock()
-        self._sent = {"kv_bytes_sent": 0, "kv_send_seconds": 0.0, "kv_sends": 0}
+        self._sent = TransferStats()
         self.leases: LeaseTable | None = None
         self.servers: list[KVServer] = []  # one per TP rank's shard, all on one lease table
 
@@ -67,10 +66,7 @@ class CtxKVRole(WorkerRole):
         self.ops.post(lambda engine: engine.release_parked(ctx_request_id))
 
     def _on_sent(self, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self._sent["kv_bytes_sent"] += nbytes
-            self._sent["kv_send_seconds"] += seconds
-            self._sent["kv_sends"] += 1
+        self._sent.observe(nbytes, seconds)
 
     def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
         if disagg is not None and disagg.request_type == "context_only":
@@ -105,8 +101,7 @@ class CtxKVRole(WorkerRole):
 
     def stats(self) -> dict:
         leases = self.leases
-        with self._lock:
-            sent = dict(self._sent)
+        sent = {"kv_transfer": {"sent": self._sent.snapshot()}}
         if leases is None:
             return sent
         return {"kv_endpoint": self.endpoint if self.servers else None, "parked_leases": len(leases),

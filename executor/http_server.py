@@ -212,10 +212,20 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = state.client.stats()
+        try:
+            stats = await state.client.fresh_stats()
+        except (TimeoutError, EngineDeadError):
+            stats = state.client.stats()
         state.metrics.kv_free_blocks.set(stats["free_blocks"])
         state.metrics.kv_total_blocks.set(stats["total_blocks"])
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        collector = getattr(state.metrics, "role_stats", None)
+        if collector is not None:
+            collector.snapshot = stats
+        try:
+            return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        finally:
+            if collector is not None:
+                collector.snapshot = None
 
 
 async def _serve(request: Request, state: ServerState, chat: bool) -> Response:

@@ -32,12 +32,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("pdserve_server_generation_tokens", "Output tokens", registry=r)
         self.kv_free_blocks = Gauge("pdserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
         self.kv_total_blocks = Gauge("pdserve_kv_cache_total_blocks", "KV blocks in the cache", registry=r)
-        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved", ["direction"], registry=r)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one KV transfer",
-                                    ["direction"], buckets=_LATENCY_BUCKETS, registry=r)
         self.info = Gauge("pdserve_server_info", "Constant 1, labelled with the server's role and KV backend",
                           ["role", "kv_backend"], registry=r)
         self.info.labels(role=role, kv_backend=kv_backend).set(1)
+        self.role_stats: "RoleStatsCollector | None" = None  # the worker side's KV counters, when attached
 
 
 class RoleStatsCollector:
@@ -48,12 +46,6 @@ class RoleStatsCollector:
     """
 
     _COUNTERS = {
-        "kv_bytes_sent": ("pdserve_kv_transfer_sent_bytes", "KV bytes served to gen servers"),
-        "kv_send_seconds": ("pdserve_kv_transfer_send_seconds", "Seconds spent serving KV pulls"),
-        "kv_sends": ("pdserve_kv_transfer_sends", "KV pulls served"),
-        "kv_bytes_received": ("pdserve_kv_transfer_received_bytes", "KV bytes pulled from ctx servers"),
-        "kv_receive_seconds": ("pdserve_kv_transfer_receive_seconds", "Seconds spent pulling KV"),
-        "kv_pulls": ("pdserve_kv_transfer_pulls", "Successful KV pulls"),
         "kv_pull_failures": ("pdserve_kv_transfer_pull_failures", "Failed KV pulls"),
         "leases_expired": ("pdserve_kv_leases_expired", "Parked KV leases freed by their timer"),
         "leases_released": ("pdserve_kv_leases_released", "Parked KV leases released after a pull or a cancel"),
@@ -61,11 +53,24 @@ class RoleStatsCollector:
 
     def __init__(self, stats) -> None:
         self._stats = stats
+        self.snapshot: dict | None = None  # a fresh snapshot set by the /metrics route for one scrape
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        stats = self._stats()
+        stats = self.snapshot if self.snapshot is not None else self._stats()
+        transfers = stats.get("kv_transfer") or {}
+        if transfers:
+            nbytes = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes moved (sent: ctx, received: gen)",
+                                         labels=["direction"])
+            seconds = HistogramMetricFamily("pdserve_kv_transfer_seconds", "Duration of one KV transfer",
+                                            labels=["direction"])
+            for direction, snap in transfers.items():
+                nbytes.add_metric([direction], snap["bytes"])
+                buckets = [("+Inf" if le == float("inf") else repr(float(le)), n) for le, n in snap["buckets"]]
+                seconds.add_metric([direction], buckets, snap["seconds_sum"])
+            yield nbytes
+            yield seconds
         for key, (name, doc) in self._COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])

@@ -78,7 +78,8 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
 
     backend = resolve_backend(cfg.kv_transfer.backend)
     metrics = ServerMetrics(cfg.role, backend)
-    metrics.registry.register(RoleStatsCollector(client.stats))
+    metrics.role_stats = RoleStatsCollector(client.stats)
+    metrics.registry.register(metrics.role_stats)
     state = ServerState(config=cfg, client=client, handlers={"context_and_generation": ColocatedPhase(client)},
                         metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
                         kv_layouts=list(layouts or [layout]))

@@ -34,9 +34,7 @@ class GenerationPhase:
             self.metrics.errors.labels(kind="kv_layout_mismatch").inc()
             raise PhaseError(str(err), 409, "kv_layout_mismatch") from None
         async for item in self.client.generate(request, params):
-            if isinstance(item, KVTransferDone):
-                self.metrics.kv_bytes.labels(direction="received").inc(item.nbytes)
-                self.metrics.kv_seconds.labels(direction="received").observe(item.seconds)
+            if isinstance(item, KVTransferDone):  # counted by the worker side (pdserve_kv_transfer_*)
                 continue
             yield item
 

@@ -22,6 +22,7 @@ from executor.kv_role import KVTransferDone, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
 from kv_transfer.formatter import pull_plan
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens, check_tp_pairing
+from kv_transfer.stats import TransferStats
 from kv_transfer.factory import KVClient, make_kv_client
 from kv_transfer.wire import KVTransferError
 from pdserve.config import KVTransferSettings
@@ -44,7 +45,8 @@ class GenKVRole(WorkerRole):
         self._in_flight: dict[str, bool] = {}  # request id -> aborted while pulling
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
-        self._received = {"kv_bytes_received": 0, "kv_receive_seconds": 0.0, "kv_pulls": 0, "kv_pull_failures": 0}
+        self._received = TransferStats()
+        self._failures = 0
 
     def start(self, engine: LLMEngine, ops: WorkerOps, shards: RankShards) -> None:
         self.engine, self.ops, self.shards = engine, ops, shards
@@ -80,11 +82,9 @@ class GenKVRole(WorkerRole):
         seconds = time.perf_counter() - t0
         with self._lock:
             aborted = self._in_flight.pop(rid, False)
-            key = "kv_pull_failures" if error else "kv_pulls"
-            self._received[key] += 1
-            if not error:
-                self._received["kv_bytes_received"] += nbytes
-                self._received["kv_receive_seconds"] += seconds
+            self._failures += bool(error)
+        if not error:
+            self._received.observe(nbytes, seconds)
         if error:
             self._fail(rid, error, 502)
         elif not aborted:
@@ -157,8 +157,7 @@ class GenKVRole(WorkerRole):
         return False
 
     def stats(self) -> dict:
-        with self._lock:
-            return dict(self._received)
+        return {"kv_transfer": {"received": self._received.snapshot()}, "kv_pull_failures": self._failures}
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -155,3 +155,19 @@ def test_pulled_lease_frees_ctx_blocks(tiny_cluster):
         time.sleep(0.05)
     assert server_info(ctx)["free_blocks"] == start
     assert server_info(ctx)["parked_leases"] == 0
+
+
+def test_kv_transfer_metrics_on_both_servers(tiny_cluster):
+    run(tiny_cluster.url, "/v1/completions", completion_body(PROMPTS[9], False, max_tokens=4))
+    ctx = httpx.get(tiny_cluster.server_url("ctx") + "/metrics", timeout=10).text
+    gen = httpx.get(tiny_cluster.server_url("gen") + "/metrics", timeout=10).text
+
+    def value(text: str, prefix: str) -> float:
+        return float(next(l for l in text.splitlines() if l.startswith(prefix)).rsplit(" ", 1)[1])
+
+    assert value(ctx, 'pdserve_kv_transfer_bytes_total{direction="sent"}') > 0
+    assert value(gen, 'pdserve_kv_transfer_bytes_total{direction="received"}') > 0
+    assert value(ctx, 'pdserve_kv_transfer_seconds_count{direction="sent"}') >= 1
+    assert value(gen, 'pdserve_kv_transfer_seconds_bucket{direction="received",le="+Inf"}') >= 1
+    backend = httpx.get(tiny_cluster.server_url("gen") + "/server_info", timeout=10).json()["kv_backend"]
+    assert f'pdserve_server_info{{kv_backend="{backend}",role="gen"}} 1.0' in gen
