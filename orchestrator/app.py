@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.auth import admin_token, check_bearer
 from pdserve.config import Role, Topology
+from pdserve.kv_pairing import join_layout
 from pdserve.protocol import ModelCard, ModelList, now_s
 
 from .disagg import DisaggFlow, Exchange
@@ -295,8 +296,22 @@ def add_control_routes(app: FastAPI, orch: Orchestrator) -> None:
         member.url = body.url
         member.info = body.model_dump()
         member.last_heartbeat_s = time.monotonic()
-        if body.state == "serving" and member.failures == 0:
-            member.mark_ready()  # it registers only once its port accepts and its engine serves
+        extra = body.model_extra or {}
+        if isinstance(extra.get("kv_layout"), dict):
+            layout = join_layout(extra["kv_layout"], extra.get("kv_layouts"))
+            known = member.kv_layout or {}
+            if "total_kv_heads" not in layout and "total_kv_heads" in known:  # learnt from /server_info
+                layout["total_kv_heads"] = known["total_kv_heads"]
+            if layout != known:
+                member.kv_layout, member.layout_ok = layout, False
+        if not member.draining:
+            # A server whose KV layout cannot pair with the accepted members stays a member (it
+            # shows in /cluster/status as incompatible) but is refused: 409 on every heartbeat.
+            if (reason := orch.pools.layout_conflict(member)) is not None:
+                member.mark_incompatible(reason)
+                return error_response(409, reason, param="kv_layout")
+            if body.state == "serving" and member.failures == 0:
+                orch.pools.admit(member)  # it registers only once its port accepts and its engine serves
         return JSONResponse({"name": member.name, "state": member.state.value,
                              "heartbeat_interval_s": orch.settings.heartbeat_ttl_s / 3})
 

@@ -12,6 +12,12 @@ A member comes from one of three sources:
 A :class:`HealthPoller` owned by the app lifespan polls every member's ``GET /health``; a member
 that fails a request is marked unhealthy at once and stays so until its next good poll. A
 draining member gets no new requests (the router never picks it) while its in-flight ones finish.
+
+KV layout check at join time: before a member turns ready (and whenever it comes back), its
+``kv_layout`` (from ``GET /server_info`` or its registration body) is compared with every member
+already accepted, of both pools (:func:`pdserve.kv_pairing.join_mismatch`). So the first member
+accepted fixes the cluster's layout for as long as an accepted member remains. A member that cannot
+pair is ``incompatible``: never routed to, its reason in ``last_error``, re-checked on every poll.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Literal
 import httpx
 
 from pdserve.config import Role, Topology
+from pdserve.kv_pairing import join_layout, join_mismatch
 
 log = logging.getLogger("orchestrator.pools")
 
@@ -40,6 +47,7 @@ class ServerState(str, enum.Enum):
     READY = "ready"          # last /health answered 200
     UNHEALTHY = "unhealthy"  # last poll failed, or a request to it failed since
     DRAINING = "draining"    # being removed: no new requests, in-flight ones finish
+    INCOMPATIBLE = "incompatible"  # healthy, but its KV layout cannot pair with the cluster's
 
 
 @dataclass
@@ -60,6 +68,9 @@ class Server:
     instance_id: str | None = None          # set by the launcher / the registration body
     info: dict = field(default_factory=dict, repr=False)  # what the server said when registering
     joined_s: float = field(default_factory=time.monotonic, repr=False)
+    kv_layout: dict | None = field(default=None, repr=False)  # None: not known (not reported)
+    layout_ok: bool = field(default=False, repr=False)  # accepted by the join-time layout check
+    warned_reason: str | None = field(default=None, repr=False)  # the last incompatibility logged
 
     @property
     def name(self) -> str:
@@ -86,6 +97,18 @@ class Server:
             log.warning("%s %s is unhealthy: %s", self.name, self.url, reason)
         self.state = ServerState.UNHEALTHY
 
+    def mark_incompatible(self, reason: str) -> None:
+        """Healthy but unusable: its KV layout cannot pair with the cluster's (logged once per reason)."""
+        self.failures = 0
+        self.layout_ok = False
+        self.last_error = reason
+        if self.draining:
+            return
+        if reason != self.warned_reason:
+            log.warning("%s %s is refused: %s", self.name, self.url, reason)
+            self.warned_reason = reason
+        self.state = ServerState.INCOMPATIBLE
+
     def start_draining(self) -> None:
         log.info("%s %s is draining (%d in flight)", self.name, self.url, self.in_flight)
         self.state = ServerState.DRAINING
@@ -103,7 +126,8 @@ class Server:
     def status(self) -> dict:
         return {"name": self.name, "url": self.url, "source": self.source, "state": self.state.value,
                 "in_flight": self.in_flight, "served": self.served, "failures": self.failures,
-                "instance_id": self.instance_id, "pid": self.info.get("pid"), "last_error": self.last_error}
+                "instance_id": self.instance_id, "pid": self.info.get("pid"), "last_error": self.last_error,
+                "kv_layout": self.kv_layout}
 
 
 class Pool:
@@ -171,6 +195,36 @@ class ClusterPools:
     def all_servers(self) -> list[Server]:
         return self.ctx.servers + self.gen.servers
 
+    def layout_conflict(self, server: Server) -> str | None:
+        """Why ``server``'s KV layout cannot pair with the accepted members, or ``None``. Members of
+        the other pool are checked first; an unknown layout is not checked."""
+        layout = server.kv_layout
+        if not layout:
+            return None
+        members = self.pool("gen" if server.role == "ctx" else "ctx").servers + self.pool(server.role).servers
+        others = [s for s in members if s is not server and s.layout_ok and s.kv_layout]
+        for other in others:
+            same_role = other.role == server.role
+            reason = join_mismatch(layout, other.kv_layout, server.name if same_role else server.role,
+                                   other.name if same_role else other.role)
+            if reason is not None:
+                return f"{reason} ({server.name} {server.url} cannot pair with {other.name} {other.url})"
+        return None
+
+    def admit(self, server: Server) -> bool:
+        """Turn a healthy ``server`` ready if its KV layout pairs with the accepted members, else
+        mark it incompatible. Returns whether it was accepted."""
+        reason = self.layout_conflict(server)
+        if reason is not None:
+            server.mark_incompatible(reason)
+            return False
+        if server.kv_layout is None and not server.layout_ok and server.state is not ServerState.READY:
+            log.info("%s %s reports no kv_layout; its KV pairing is not checked", server.name, server.url)
+        server.layout_ok = server.kv_layout is not None
+        server.warned_reason = None
+        server.mark_ready()
+        return True
+
     def not_ready_reason(self) -> str | None:
         """``None`` when every pool has at least ``max(1, min_instances)`` ready servers."""
         missing = []
@@ -178,7 +232,9 @@ class ClusterPools:
             p = self.pool(role)
             need = max(1, p.min_instances)
             if len(p.ready()) < need:
-                states = ", ".join(f"{s.url} {s.state.value}" for s in p.servers) or "no members"
+                states = ", ".join(f"{s.url} {s.state.value}"
+                                   + (f" ({s.last_error})" if s.state is ServerState.INCOMPATIBLE else "")
+                                   for s in p.servers) or "no members"
                 missing.append(f"{role} pool has {len(p.ready())} of {need} ready servers ({states})")
         return "; ".join(missing) or None
 
@@ -216,8 +272,14 @@ class HealthPoller:
                 await task
 
     async def poll_once(self) -> None:
-        """Poll every member once, concurrently, then drop the registered ones that are gone."""
-        await asyncio.gather(*(self._poll(s) for s in self._pools.all_servers()))
+        """Poll every member once, concurrently; admit the healthy ones that were not ready (layout
+        check, in pool order: ctx first, so a ctx and a gen that come up together are judged the
+        same way every time); then drop the registered ones that are gone."""
+        servers = self._pools.all_servers()
+        joining = await asyncio.gather(*(self._poll(s) for s in servers))
+        for server, join in zip(servers, joining):
+            if join and server in self._pools.pool(server.role).servers and not server.draining:
+                self._pools.admit(server)
         now = time.monotonic()
         for server in self._pools.all_servers():
             if server.source != "registered":
@@ -237,16 +299,36 @@ class HealthPoller:
                 log.exception("health poll failed")
             await asyncio.sleep(self._interval_s)
 
-    async def _poll(self, server: Server) -> None:
+    async def _poll(self, server: Server) -> bool:
+        """Poll ``server``'s health; True when it is healthy but must pass the layout check first
+        (it was not ready: then its ``/server_info`` has just been read again)."""
         server.last_poll_s = time.monotonic()
         try:
             resp = await self._client.get(f"{server.url}/health", timeout=self._timeout_s)
         except httpx.HTTPError as err:
             server.failures += 1
             server.mark_unhealthy(f"/health: {type(err).__name__}: {err}".rstrip(": "))
-            return
-        if resp.status_code == 200:
-            server.mark_ready()
-        else:
+            return False
+        if resp.status_code != 200:
             server.failures += 1
             server.mark_unhealthy(f"/health answered HTTP {resp.status_code}")
+            return False
+        if server.state in (ServerState.READY, ServerState.DRAINING):
+            server.mark_ready()
+            return False
+        try:  # joining or coming back (maybe restarted with another config): read its layout again
+            info = await self._client.get(f"{server.url}/server_info", timeout=self._timeout_s)
+        except httpx.HTTPError as err:
+            # Healthy but slow to describe itself: judge it by the layout known already (from an
+            # earlier poll or its registration); with none, it waits (not a health failure).
+            if server.kv_layout is not None:
+                return True
+            server.last_error = f"/server_info: {type(err).__name__}: {err}".rstrip(": ")
+            return False
+        body = None
+        if info.status_code == 200:
+            with contextlib.suppress(ValueError):
+                body = info.json()
+        if isinstance(body, dict) and isinstance(body.get("kv_layout"), dict):
+            server.kv_layout = join_layout(body["kv_layout"], body.get("kv_layouts"))
+        return True  # with no layout in the answer, keep what its registration said (if anything)

@@ -157,3 +157,52 @@ def test_attached_frontend_serves_health_and_metrics(four_frontends):
             break
     for fid, r in got.items():
         assert r.status_code == 200 and "pdserve_kv_cache_free_blocks" in r.text, fid
+
+
+def _frontend_children(pid: int) -> list[int]:
+    """Live attached frontends of frontend 0 (children of any of its threads: the restarts come
+    from the watcher thread)."""
+    from pathlib import Path
+
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    alive = []
+    for k in kids:
+        try:
+            stat = Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if stat != "Z" and b"executor.frontend_main" in Path(f"/proc/{k}/cmdline").read_bytes():
+                alive.append(k)
+        except FileNotFoundError:
+            continue
+    return alive
+
+
+def _seen_frontends(url: str, want: int, deadline: float) -> set[str]:
+    seen: set[str] = set()
+    while time.monotonic() < deadline and len(seen) < want:
+        with httpx.Client(timeout=10) as c:
+            r = c.get(url + "/health")
+        if r.status_code == 200:
+            seen.add(r.headers["x-pdserve-frontend"])
+    return seen
+
+
+def test_dead_attached_frontend_is_restarted(four_frontends, procs):
+    frontend0 = procs.procs["gen-k4"].pid
+    assert _seen_frontends(four_frontends, 4, time.monotonic() + 60) == {"0", "1", "2", "3"}
+    before = _frontend_children(frontend0)
+    assert len(before) == 3
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = _frontend_children(frontend0)
+        if len(now) == 3 and before[0] not in now:
+            break
+        time.sleep(0.2)
+    assert len(now) == 3 and before[0] not in now, now
+    # The restarted frontend serves again: all four answer on the shared port.
+    assert _seen_frontends(four_frontends, 4, time.monotonic() + 60) == {"0", "1", "2", "3"}

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.app import create_app
 from pdserve.config import Topology, parse_topology
 
-from orch_fakes import MODEL, Behavior, Record, ThreadServer, bind_socket, make_fake_server
+from orch_fakes import KV_LAYOUT, MODEL, Behavior, Record, ThreadServer, bind_socket, make_fake_server
 
 
 @dataclass
@@ -58,16 +58,24 @@ def make_topology(ctx_ports: list[int], gen_ports: list[int], orch_port: int, **
 
 @pytest.fixture
 def make_cluster():
-    """``make_cluster(n_ctx=1, n_gen=1, wait=True, **orchestrator_settings) -> Cluster``."""
+    """``make_cluster(n_ctx=1, n_gen=1, wait=True, layouts=None, **orchestrator_settings) -> Cluster``.
+
+    ``layouts={"gen": [{"block_size": 32}]}``: KV layout fields of gen server 0 that differ from
+    :data:`orch_fakes.KV_LAYOUT` (what its ``/server_info`` reports); ``None``: no ``/server_info``.
+    """
     clusters: list[Cluster] = []
 
-    def factory(n_ctx: int = 1, n_gen: int = 1, wait: bool = True, **orch: object) -> Cluster:
+    def factory(n_ctx: int = 1, n_gen: int = 1, wait: bool = True, layouts: dict[str, list[dict | None]] | None = None,
+                **orch: object) -> Cluster:
         nodes = {}
         servers: list[ThreadServer] = []
         for role, n in (("ctx", n_ctx), ("gen", n_gen)):
             nodes[role] = []
-            for _ in range(n):
+            overrides = (layouts or {}).get(role, [])
+            for i in range(n):
                 beh, rec = Behavior(), Record()
+                if i < len(overrides):
+                    beh.kv_layout = None if overrides[i] is None else {**KV_LAYOUT, **overrides[i]}
                 srv = ThreadServer(make_fake_server(role, beh, rec)).start()
                 servers.append(srv)
                 nodes[role].append(FakeNode(srv, beh, rec))

@@ -25,6 +25,8 @@ TOKENS = ["Hello", ",", " world", "!", " How", " are", " you", "?"]
 MODEL = "fake-model"
 PROMPT_TOKENS = [1, 2, 3]
 REJECT_MARKER = "TOO_LONG"  # a prompt containing it gets a 400 from the ctx server
+KV_LAYOUT = {"model": MODEL, "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "block_size": 16, "dtype": "float32",
+             "tp_rank": 0, "tp_size": 1}
 
 
 def text_of(n: int) -> str:
@@ -42,6 +44,7 @@ class Behavior:
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
     answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
+    kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
 
 
 @dataclass
@@ -95,8 +98,7 @@ def _ctx_answer(rec: Record, chat: bool, body: dict) -> JSONResponse:
     dp = {"request_type": "context_only", "disagg_request_id": body["disaggregated_params"]["disagg_request_id"],
           "ctx_request_id": lease, "first_gen_tokens": [0], "prompt_token_ids": PROMPT_TOKENS,
           "kv_endpoint": "tcp://127.0.0.1:1", "kv_block_count": 1, "lease_deadline": time.time() + 30,
-          "kv_layout": {"model": MODEL, "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "block_size": 16,
-                        "dtype": "float32"}}
+          "kv_layout": KV_LAYOUT}
     return JSONResponse(_answer(chat, text_of(1), None, 1, dp))
 
 
@@ -171,6 +173,13 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
         if beh.health_status != 200:
             return JSONResponse(error_body("not ready", "service_unavailable", beh.health_status), beh.health_status)
         return {"status": "ok"}
+
+    @app.get("/server_info")
+    async def server_info():
+        if beh.kv_layout is None:
+            return JSONResponse(error_body("Not Found", "not_found", 404), 404)
+        return {"role": role, "model": MODEL, "state": "serving", "kv_layout": beh.kv_layout,
+                "kv_layouts": [beh.kv_layout]}
 
     @app.post("/disagg/release")
     async def release(request: Request):

@@ -60,13 +60,16 @@ def test_registration_heartbeat_ttl_and_health_drops(make_cluster):
     # a registered server whose /health fails twice in a row is dropped too
     register(c.url, {"role": "ctx", "url": "http://127.0.0.1:9", "model": MODEL})
     stop = threading.Event()
-    threading.Thread(target=lambda: [register(c.url, {"role": "ctx", "url": "http://127.0.0.1:9", "model": MODEL})
-                                     for _ in iter(lambda: stop.wait(0.1), True)], daemon=True).start()
+    heartbeats = threading.Thread(
+        target=lambda: [register(c.url, {"role": "ctx", "url": "http://127.0.0.1:9", "model": MODEL})
+                        for _ in iter(lambda: stop.wait(0.1), True)], daemon=True)
+    heartbeats.start()
     try:
         wait_for(lambda: [s["url"] for s in httpx.get(c.url + "/cluster/status").json()["pools"]["ctx"]["servers"]]
                  == [c.ctx[0].server.url])
     finally:
         stop.set()
+        heartbeats.join(10)  # not past the cluster's teardown: a late POST would hit a closed port
 
 
 def test_not_ready_until_min_instances():

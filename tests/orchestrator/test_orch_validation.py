@@ -79,7 +79,7 @@ def test_bad_requests_are_counted(cluster):
 
 
 def test_importing_the_app_does_not_import_torch():
-    code = ("import sys, orchestrator.app, orchestrator.cli, orchestrator.launcher; "
+    code = ("import sys, orchestrator.app, orchestrator.cli, orchestrator.launcher, pdserve.kv_pairing; "
             "bad = [m for m in ('torch', 'engine', 'executor', 'ctx_worker', 'gen_worker', 'kv_transfer') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     repo = Path(__file__).resolve().parents[2]
