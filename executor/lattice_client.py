@@ -21,7 +21,7 @@ from executor.engine_client import EngineClient, EngineDeadError, EngineNotServi
 from executor.ipc import Codec, make_client_id
 from executor.streams import RequestStream
 from executor.monitor import RankMonitor
-from executor.proxy import AttachInfo
+from executor.proxy import AttachInfo, StartupError
 from pdserve.protocol import DisaggregatedParams
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,11 @@ class LatticeClient(EngineClient):
         self._stats: dict = {"free_blocks": 0, "total_blocks": 0}
         self._stop = threading.Event()
         self._receiver = threading.Thread(target=self._receive, name=f"lane{self.frontend_id}-receiver", daemon=True)
-        self.monitor = RankMonitor(info.rank_processes(), self._on_rank_death)
+        try:
+            self.monitor = RankMonitor(info.rank_processes(), self._on_rank_death)
+        except ProcessLookupError as err:
+            self.zctx.destroy(linger=0)
+            raise StartupError(f"a worker rank exited right after start-up: {err}") from None
 
     def start(self) -> None:
         self._receiver.start()

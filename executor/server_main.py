@@ -116,7 +116,11 @@ def build_lattice_state(cfg: ServerConfig, log_dir: Path) -> ServerState:
     proxy = Proxy(cfg, cfg.engine.num_frontends, log_dir / f"{cfg.role}{cfg.index}.ranks.log")
     info = proxy.start(cfg.engine.worker_start_timeout_s)
     log.info("%s[%d]: %d worker rank(s) ready in %.1f s", cfg.role, cfg.index, cfg.engine.tp_size, time.perf_counter() - t0)
-    state, client = lattice_state(cfg, info)
+    try:
+        state, client = lattice_state(cfg, info)
+    except Exception:
+        proxy.stop()  # the ranks are up (or just died): end them and remove the IPC directory
+        raise
 
     def watch_ranks() -> None:  # second death path: the MPI job itself ended
         proxy.exited.wait()

@@ -63,6 +63,9 @@ class WorkerLoop:
         self._stopping = False
         self._last_stats: dict | None = None
         self._last_stats_t = 0.0
+        # Started here, before the rank reports READY: a role that cannot start (e.g. its KV
+        # transceiver) is a start-up failure naming the rank, not a dead engine right after it.
+        self.role.start(self.engine, self, self.shards)
 
     # ---- WorkerOps (thread-safe) ----------------------------------------------------------
     def post(self, fn: Callable[[LLMEngine], None]) -> None:
@@ -83,7 +86,6 @@ class WorkerLoop:
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until a ``shutdown`` message. Exceptions propagate (the rank then exits non-zero)."""
-        self.role.start(self.engine, self, self.shards)
         poller = zmq.Poller()
         poller.register(self.ingress, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)

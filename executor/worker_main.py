@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     # ucxx loaded after it fails with "undefined symbol: ucs_ifname_to_ndev_index".
     backend = spec["server"]["kv_transfer"]["backend"]
     if backend in ("auto", "ucx"):
-        from kv_transfer.factory import resolve_backend
+        from kv_transfer.factory import preload_ucx
 
-        resolve_backend(backend)
+        preload_ucx()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

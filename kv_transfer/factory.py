@@ -34,6 +34,11 @@ def _ucx_import_error() -> str | None:
     return None
 
 
+def preload_ucx() -> str | None:
+    """Load ucxx now (before anything else loads another libucs, e.g. MPI); the error text, or None."""
+    return _ucx_import_error()
+
+
 def resolve_backend(setting: str) -> Backend:
     """``"auto"`` → ``"ucx"`` where ``import ucxx`` works, else ``"tcp"``; explicit settings pass through."""
     if setting in ("ucx", "tcp"):
