@@ -16,10 +16,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest, RequestOutput
-from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
+from engine.request import EngineRequest
+from executor.engine_client import EngineClient, EngineState
 from executor.kv_role import RankShards, WorkerRole
-from executor.streams import RequestStream
+from executor.streams import RequestStream, StreamRegistry
 from pdserve.protocol import DisaggregatedParams
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,7 @@ class InProcessExecutor(EngineClient):
         self._role = role or WorkerRole()
         self._shards = shards or RankShards([engine.kv_cache], [])
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()  # guards _streams, _state, _dead_reason
-        self._state = EngineState.STARTING
-        self._dead_reason: str | None = None
+        self._requests = StreamRegistry(EngineState.STARTING)
         self._stop = threading.Event()
         self._stats = self._read_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -48,14 +45,10 @@ class InProcessExecutor(EngineClient):
         """Start the role and the engine loop thread, then open the admission gate."""
         self._role.start(self._engine, self, self._shards)
         self._thread.start()
-        with self._lock:
-            if self._state == EngineState.STARTING:
-                self._state = EngineState.SERVING
+        self._requests.transition(EngineState.STARTING, EngineState.SERVING)
 
     def drain(self) -> None:
-        with self._lock:
-            if self._state == EngineState.SERVING:
-                self._state = EngineState.DRAINING
+        self._requests.transition(EngineState.SERVING, EngineState.DRAINING)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -70,11 +63,11 @@ class InProcessExecutor(EngineClient):
     # ---- properties -----------------------------------------------------------------------
     @property
     def state(self) -> EngineState:
-        return self._state
+        return self._requests.state
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead_reason
+        return self._requests.dead_reason
 
     @property
     def tokenizer(self):
@@ -97,39 +90,10 @@ class InProcessExecutor(EngineClient):
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, request: EngineRequest,
                        disagg: DisaggregatedParams | None = None) -> AsyncIterator[object]:
-        stream = self._register(request, disagg)
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    stream.finished = True
-                    raise item
-                if isinstance(item, RequestOutput) and item.finished:
-                    stream.finished = True
-                    yield item
-                    return
-                yield item
-        finally:
-            with self._lock:
-                self._streams.pop(request.request_id, None)
-            if not stream.finished:
-                self.abort(request.request_id)
-
-    def _register(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> RequestStream:
-        stream = RequestStream(loop=asyncio.get_running_loop())
-        # The state check and the registration happen under one lock that _die also takes, so a
-        # request is either refused here or registered before _die fails every registered stream:
-        # there is no window in which it could wait forever on a dead engine.
-        with self._lock:
-            if self._state == EngineState.DEAD:
-                raise EngineDeadError(f"engine is dead: {self._dead_reason}")
-            if self._state != EngineState.SERVING:
-                raise EngineNotServingError(f"engine is {self._state.value}; not admitting new requests")
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
-            self._streams[request.request_id] = stream
+        stream = self._requests.register(request.request_id)
         self._commands.put(lambda: self._add(request, disagg, stream))
-        return stream
+        async for item in self._requests.consume(request.request_id, stream, self.abort):
+            yield item
 
     def _add(self, request: EngineRequest, disagg: DisaggregatedParams | None, stream: RequestStream) -> None:
         try:
@@ -153,8 +117,7 @@ class InProcessExecutor(EngineClient):
         self._commands.put(lambda: fn(self._engine))
 
     def deliver(self, request_id: str, item: object) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
+        stream = self._requests.get(request_id)
         if stream is not None:
             stream.put(item)
 
@@ -195,12 +158,4 @@ class InProcessExecutor(EngineClient):
 
     def _die(self, reason: str, log_error: bool = True) -> None:
         """Make the engine dead (sticky) and fail every pending request with EngineDeadError."""
-        with self._lock:
-            if self._state != EngineState.DEAD:
-                self._state = EngineState.DEAD
-                self._dead_reason = reason
-                if log_error:
-                    log.error("engine is dead: %s", reason)
-            streams = list(self._streams.values())
-        for stream in streams:
-            stream.put(EngineDeadError(f"engine is dead: {self._dead_reason}"))
+        self._requests.die(reason, log_error)

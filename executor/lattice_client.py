@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from engine.request import EngineRequest, RequestOutput
+from engine.request import EngineRequest
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.ipc import Codec, make_client_id
-from executor.streams import RequestStream
+from executor.streams import StreamRegistry
 from executor.monitor import RankMonitor
 from executor.proxy import AttachInfo, StartupError
 from pdserve.protocol import DisaggregatedParams
@@ -47,11 +47,8 @@ class LatticeClient(EngineClient):
         self.pull = self.zctx.socket(zmq.PULL)
         self.pull.bind(info.lane_addrs[self.frontend_id])
         self._seq = itertools.count(1)
-        self._streams: dict[str, RequestStream] = {}
+        self._requests = StreamRegistry(EngineState.SERVING)
         self._calls: dict[int, asyncio.Future] = {}
-        self._lock = threading.Lock()  # guards _streams, _state, _dead_reason
-        self._state = EngineState.SERVING
-        self._dead_reason: str | None = None
         self._stats: dict = {"free_blocks": 0, "total_blocks": 0}
         self._stop = threading.Event()
         self._receiver = threading.Thread(target=self._receive, name=f"lane{self.frontend_id}-receiver", daemon=True)
@@ -68,11 +65,11 @@ class LatticeClient(EngineClient):
     # ---- EngineClient ---------------------------------------------------------------------
     @property
     def state(self) -> EngineState:
-        return self._state
+        return self._requests.state
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead_reason
+        return self._requests.dead_reason
 
     @property
     def tokenizer(self):
@@ -88,46 +85,22 @@ class LatticeClient(EngineClient):
 
     async def generate(self, request: EngineRequest,
                        disagg: DisaggregatedParams | None = None) -> AsyncIterator[object]:
-        stream = RequestStream(loop=asyncio.get_running_loop())
-        # State check and registration under the lock that _die also takes: a request is either
-        # refused here or registered before _die fails every registered stream (no hang window).
-        with self._lock:
-            if self._state == EngineState.DEAD:
-                raise EngineDeadError(f"engine is dead: {self._dead_reason}")
-            if self._state != EngineState.SERVING:
-                raise EngineNotServingError(f"engine is {self._state.value}; not admitting new requests")
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
-            self._streams[request.request_id] = stream
+        stream = self._requests.register(request.request_id)
         self._send(("add", make_client_id(self.frontend_id, next(self._seq)), request, disagg))
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    stream.finished = True
-                    raise item
-                if isinstance(item, RequestOutput) and item.finished:
-                    stream.finished = True
-                    yield item
-                    return
-                yield item
-        finally:
-            with self._lock:
-                self._streams.pop(request.request_id, None)
-            if not stream.finished:
-                self.abort(request.request_id)
+        async for item in self._requests.consume(request.request_id, stream, self.abort):
+            yield item
 
     def abort(self, request_id: str) -> None:
-        if self._state != EngineState.DEAD:
+        if self.state != EngineState.DEAD:
             self._send(("abort", request_id))
 
     async def release_lease(self, ctx_request_id: str) -> bool:
-        if self._state == EngineState.DEAD:
+        if self.state == EngineState.DEAD:
             return False
         return bool(await self._call("release", ctx_request_id))
 
     async def fresh_stats(self) -> dict:
-        if self._state == EngineState.DEAD:
+        if self.state == EngineState.DEAD:
             return self.stats()
         return {**await self._call("stats"), "ipc_rejected_frontend": self.codec.rejected,
                 "frontend_id": self.frontend_id, "ranks": self.info.ranks}
@@ -144,9 +117,7 @@ class LatticeClient(EngineClient):
             self._calls.pop(call_id, None)
 
     def drain(self) -> None:
-        with self._lock:
-            if self._state == EngineState.SERVING:
-                self._state = EngineState.DRAINING
+        self._requests.transition(EngineState.SERVING, EngineState.DRAINING)
         self._send(("drain",))
 
     async def shutdown(self) -> None:
@@ -191,16 +162,13 @@ class LatticeClient(EngineClient):
     def _dispatch(self, item: tuple) -> None:
         kind = item[0]
         if kind == "out":
-            with self._lock:
-                stream = self._streams.get(item[1])
+            stream = self._requests.get(item[1])
             if stream is not None:
                 stream.put(item[2])
         elif kind == "stats":
             self._stats = item[1]
             if item[1].get("state") == EngineState.DRAINING.value:
-                with self._lock:
-                    if self._state == EngineState.SERVING:
-                        self._state = EngineState.DRAINING
+                self._requests.transition(EngineState.SERVING, EngineState.DRAINING)
         elif kind == "reply":
             fut = self._calls.get(item[1])
             if fut is not None:
@@ -212,17 +180,8 @@ class LatticeClient(EngineClient):
         self._die(reason)
 
     def _die(self, reason: str, log_error: bool = True) -> None:
-        """Dead for good (sticky): fail every pending request and refuse new ones."""
-        with self._lock:
-            if self._state != EngineState.DEAD:
-                self._state = EngineState.DEAD
-                self._dead_reason = reason
-                if log_error:
-                    log.error("engine is dead: %s", reason)
-            streams = list(self._streams.values())
-            calls = list(self._calls.values())
-        for stream in streams:
-            stream.put(EngineDeadError(f"engine is dead: {self._dead_reason}"))
-        for fut in calls:
-            fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(
-                EngineDeadError(f"engine is dead: {self._dead_reason}")))
+        """Dead for good (sticky): fail every pending request and control call, refuse new ones."""
+        self._requests.die(reason, log_error)
+        error = EngineDeadError(f"engine is dead: {self.dead_reason}")
+        for fut in list(self._calls.values()):
+            fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(error))
