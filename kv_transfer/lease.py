@@ -109,8 +109,8 @@ class LeaseTable:
         """Free a lease now (or right after its in-progress pull). False if it was not there."""
         with self._cond:
             lease = self._leases.get(ctx_request_id)
-            if lease is None:
-                return False
+            if lease is None or lease.release_pending:
+                return False  # gone, or already released (freed when its pull ends)
             if lease.pulling:
                 lease.release_pending = True
                 return True

@@ -26,7 +26,8 @@ tag base ``B`` per pull (its low 24 bits are zero):
 1. gen → ctx on ``CTRL_TAG``: ``{"op": "pull", "ctx_request_id", "layout", "dst_runs",
    "reply_to", "tag": B}``.
 2. ctx checks the layout pairing and pins the lease; answers on ``B``:
-   ``{"ok": true, "bytes": N, "src_runs"}`` or ``{"ok": false, "error"}``.
+   ``{"ok": true, "bytes": N, "src_runs", "tag": B}`` or ``{"ok": false, "error", "tag": B}`` (every
+   reply echoes ``B``; the gen side rejects a reply naming another base).
 3. Both sides cut the block pairing into runs contiguous on both sides
    (:func:`kv_transfer.runs.plan_segments`); segment ``i`` goes from ``ctx_cache[src:src+n]`` to
    ``gen_cache[dst:dst+n]`` with tag ``B+1+i``. Large messages use UCX rendezvous: the gen side
@@ -115,6 +116,29 @@ def _frame(msg: dict) -> Array:
     return Array(np.frombuffer(bytearray(pack_msg(msg)), dtype=np.uint8))
 
 
+class _Request:
+    """A UCX request together with the buffer it reads or fills.
+
+    ``ucxx`` requests keep only a raw pointer to their buffer: a send posted from a temporary
+    (``send(ep, _frame(msg), tag)``) lets Python free the frame while UCX has not sent it yet (a
+    fresh endpoint queues sends until its wireup completes; rendezvous reads the buffer late), and
+    the peer then receives whatever reuses that memory: a "bad control message" of garbage length.
+    Holding the buffer here keeps it alive as long as anyone can still wait on the request.
+    """
+
+    __slots__ = ("request", "buffer")
+
+    def __init__(self, request, buffer: Array) -> None:
+        self.request, self.buffer = request, buffer
+
+    @property
+    def completed(self) -> bool:
+        return self.request.completed
+
+    def check_error(self) -> None:
+        self.request.check_error()
+
+
 class _Worker:
     """One UCX context + worker with its progress thread; submissions are serialized by a lock."""
 
@@ -128,6 +152,14 @@ class _Worker:
         self.address: bytes = self._worker.address.tobytes()
         self._lock = threading.Lock()
         self._stopped = False
+        self._orphans: list[_Request] = []  # abandoned by a failed wait; kept until UCX is done with them
+
+    def adopt(self, requests: list[_Request]) -> None:
+        """Keep the buffers of requests nobody waits for any more alive until they complete or are
+        cancelled (closing their endpoint), so that no late byte lands in, or leaves from, freed memory."""
+        with self._lock:
+            self._orphans = [r for r in self._orphans if not r.completed]
+            self._orphans.extend(r for r in requests if not r.completed)
 
     def connect(self, address: bytes):
         try:
@@ -137,18 +169,18 @@ class _Worker:
         except ucx.UCXError as err:
             raise KVTransferError(f"cannot reach the UCX peer: {type(err).__name__}: {err}") from None
 
-    def send(self, ep, buf: Array, tag: int):
+    def send(self, ep, buf: Array, tag: int) -> _Request:
         with self._lock:
-            return ep.tag_send(buf, ucx.UCXXTag(tag))
+            return _Request(ep.tag_send(buf, ucx.UCXXTag(tag)), buf)
 
-    def recv(self, ep, buf: Array, tag: int):
+    def recv(self, ep, buf: Array, tag: int) -> _Request:
         """A receive tied to ``ep``: closing ``ep`` cancels it."""
         with self._lock:
-            return ep.tag_recv(buf, ucx.UCXXTag(tag))
+            return _Request(ep.tag_recv(buf, ucx.UCXXTag(tag)), buf)
 
-    def recv_any(self, buf: Array, tag: int):
+    def recv_any(self, buf: Array, tag: int) -> _Request:
         with self._lock:
-            return self._worker.tag_recv(buf, ucx.UCXXTag(tag))
+            return _Request(self._worker.tag_recv(buf, ucx.UCXXTag(tag)), buf)
 
     def progress(self) -> None:
         self._worker.progress()
@@ -174,9 +206,11 @@ def _wait(worker: _Worker, requests: list, deadline: float, what: str, stopping:
         if not pending:
             break
         if stopping.is_set():
+            worker.adopt(pending)
             raise _EndpointFailed(f"{what}: the transceiver is stopping", timed_out=False)
         left = deadline - time.monotonic()
         if left <= 0:
+            worker.adopt(pending)
             raise _EndpointFailed(f"{what} timed out", timed_out=True)
         spins += 1
         if spins < 64:
@@ -369,6 +403,7 @@ class UcxKVServer:
             self._peers.release(conn)
 
     def _send_control(self, conn: _Conn, tag: int, msg: dict, deadline: float) -> None:
+        msg["tag"] = tag & ~ACK  # the request's tag base, echoed: the gen side checks it
         _wait(self._worker, [self._worker.send(conn.ep, _frame(msg), tag)], deadline, "answering a KV request", self._stopping)
 
     def _serve_pull(self, conn: _Conn, base: int, msg: dict, deadline: float) -> None:
@@ -405,6 +440,13 @@ class UcxKVServer:
             self.on_sent(nbytes, time.perf_counter() - t0)
         finally:
             self.leases.end_pull(rid)
+
+
+def _check_echo(answer: dict, base: int, endpoint: str) -> None:
+    """A reply must name the pull it answers (servers without the echo are accepted)."""
+    if answer.get("tag", base) != base:
+        raise KVTransferError(f"ctx KV server {endpoint} answered tag base {answer.get('tag')!r}, "
+                              f"not {base:#x}: a crossed reply")
 
 
 class UcxKVClient:
@@ -492,7 +534,9 @@ class UcxKVClient:
         ack = self._worker.recv(conn.ep, Array(ack_buf), base + ACK)
         release = {"op": "release", "ctx_request_id": rid, "reply_to": self._reply_to, "tag": base}
         self._wait([self._worker.send(conn.ep, _frame(release), CTRL_TAG), ack], deadline, "releasing the lease")
-        if not unpack_msg(memoryview(ack_buf)).get("released"):
+        answer = unpack_msg(memoryview(ack_buf))
+        _check_echo(answer, base, endpoint)
+        if not answer.get("released"):
             raise KVTransferError(f"KV lease {rid} at {endpoint} was gone when released "
                                   "(expired or cancelled during the pull); its blocks may have been reused")
 
@@ -510,6 +554,7 @@ class UcxKVClient:
             err.before_data = True
             raise
         answer = unpack_msg(memoryview(reply_buf))
+        _check_echo(answer, base, endpoint)
         if not answer.get("ok"):
             raise KVTransferError(f"ctx KV server {endpoint} refused the pull: {answer.get('error')}")
         try:

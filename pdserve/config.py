@@ -72,9 +72,8 @@ class KVTransferSettings(StrictModel):
     """How KV blocks move from a ctx server to a gen server."""
 
     backend: Literal["auto", "ucx", "tcp"] = Field(
-        "tcp", description="transport: 'tcp' (sockets, always available; the default), 'ucx' (ucxx, zero-copy "
-        "between processes on one host; opt-in until an intermittent control-frame mix-up under concurrent pulls "
-        "from several gen servers is fixed), or 'auto' = ucx where ucxx imports, else tcp (the server logs which)")
+        "auto", description="transport: 'ucx' (ucxx, zero-copy between processes on one host), 'tcp' "
+        "(sockets, always available), or 'auto' = ucx where ucxx imports, else tcp (the server logs which)")
     lease_ms: int = Field(30_000, ge=1, description="a parked request's blocks are freed after this long unpulled")
     timeout_ms: int = Field(10_000, ge=1, description="a gen-side pull fails after this long")
 
