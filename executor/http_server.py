@@ -8,6 +8,7 @@ adds (``POST /disagg/release`` on ctx servers). Every error is an OpenAI-style b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -246,7 +247,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
             prompt = list(disagg.prompt_token_ids)
         else:
             prompt = prompt_token_ids(body, state.client.tokenizer, state.vocab_size)
-        check_length(len(prompt), state.client.max_model_len)
+        check_length(len(prompt), state.client.max_model_len, "messages" if chat else "prompt")
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
@@ -319,13 +320,16 @@ class _Run:
             while not task.done():
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
-                    task.cancel()
                     log.info("client disconnected; aborted %s", self.id)
                     return Response(status_code=499)
             task.result()
         finally:
             if not task.done():
                 task.cancel()
+                # Let the cancelled drain leave the generator before closing it (closing a running
+                # async generator raises); its own cleanup aborts the request.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self.outputs.aclose()
         body = full_response(self.chat, self.id, self.created, self.model, self.acc, answer.disaggregated_params)
         data = body.model_dump(mode="json")

@@ -70,12 +70,12 @@ def prompt_token_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer,
     return ids
 
 
-def check_length(num_prompt_tokens: int, max_model_len: int) -> None:
+def check_length(num_prompt_tokens: int, max_model_len: int, param: str = "messages") -> None:
     """Raises :class:`BadRequest` if the prompt leaves no room for one output token."""
     if num_prompt_tokens >= max_model_len:
         raise BadRequest(
             f"the prompt has {num_prompt_tokens} tokens; this model's context window is {max_model_len} tokens "
-            f"(prompt + output), so at most {max_model_len - 1} prompt tokens fit", "messages")
+            f"(prompt + output), so at most {max_model_len - 1} prompt tokens fit", param)
 
 
 PHASES = {

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 RequestType = Literal["context_only", "generation_only", "context_and_generation"]
 
@@ -70,7 +70,7 @@ class DisaggregatedParams(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -84,10 +84,10 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stream: bool = False
+    stream: StrictBool = False  # strict: "false" must not pass for a boolean (it would be truthy elsewhere)
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     logit_bias: dict[str, float] | None = None
@@ -134,8 +134,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = Field(False, description="not supported: only false")
-    add_generation_prompt: bool = True
+    logprobs: StrictBool = Field(False, description="not supported: only false")
+    add_generation_prompt: StrictBool = True
 
     @field_validator("logprobs")
     @classmethod
@@ -149,9 +149,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
-    echo: bool = Field(False, description="not supported: only false")
+    echo: StrictBool = Field(False, description="not supported: only false")
     logprobs: int | None = Field(None, description="not supported")
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=1)

@@ -126,6 +126,8 @@ BAD_BODIES = [
     (json.dumps({"model": TINY_NAME, "messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), 422),
     (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
     (json.dumps({"model": TINY_NAME, "messages": [{"role": "user", "content": "word " * 3000}]}).encode(), 400),
+    # a string where a boolean belongs is refused, not coerced ("false" would be truthy downstream)
+    (json.dumps({"model": TINY_NAME, "messages": [{"role": "user", "content": "x"}], "stream": "false"}).encode(), 422),
 ]
 
 
