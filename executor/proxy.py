@@ -25,7 +25,7 @@ from pathlib import Path
 import zmq
 
 from executor.ipc import Codec, new_key
-from executor.monitor import RankProcess
+from executor.monitor import RankProcess, proc_start_time
 from pdserve.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class Proxy:
         """Launch the ranks and wait for every READY (bounded by ``timeout_s``). Raises StartupError."""
         tp = self.cfg.engine.tp_size
         spec = {"server": self.cfg.model_dump(mode="json"), "role_plugin": _worker_plugin(self.cfg.role),
+                "frontend_pid": os.getpid(), "frontend_start_time": proc_start_time(os.getpid()),
                 "ready_addr": self.ready_addr, "ingress_addr": self.ingress_addr, "lane_addrs": self.lane_addrs}
         (self.ipc_dir / "spec.json").write_text(json.dumps(spec))
         zctx = zmq.Context.instance()

@@ -15,6 +15,7 @@ Worker → frontend messages: a list of up to ``MAX_BATCH`` items per zmq messag
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,6 +28,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
 from executor.engine_client import EngineNotServingError, EngineState
 from executor.ipc import MAX_BATCH, Codec, lane_of
+from executor.monitor import proc_start_time
 from executor.kv_role import RankShards, WorkerRole
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class WorkerLoop:
     """Owns the engine on rank 0 and serves every frontend through the IPC lanes."""
 
     def __init__(self, engine: LLMEngine, role: WorkerRole, codec: Codec, ingress_addr: str,
-                 lane_addrs: list[str], shards: RankShards) -> None:
+                 lane_addrs: list[str], shards: RankShards, frontend: tuple[int, int] | None = None) -> None:
         self.engine, self.role, self.codec, self.shards = engine, role, codec, shards
         self.zctx = zmq.Context()
         self.ingress = self.zctx.socket(zmq.PULL)
@@ -63,6 +65,9 @@ class WorkerLoop:
         self._stopping = False
         self._last_stats: dict | None = None
         self._last_stats_t = 0.0
+        # The ranks run in their own session: if frontend 0 dies without a shutdown message (kill -9)
+        # nobody would stop them, so rank 0 watches frontend 0's pidfd and stops with it.
+        self._frontend_fd = _pidfd(*frontend) if frontend else None
         # Started here, before the rank reports READY: a role that cannot start (e.g. its KV
         # transceiver) is a start-up failure naming the rank, not a dead engine right after it.
         self.role.start(self.engine, self, self.shards)
@@ -89,10 +94,15 @@ class WorkerLoop:
         poller = zmq.Poller()
         poller.register(self.ingress, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)
+        if self._frontend_fd is not None:
+            poller.register(self._frontend_fd, zmq.POLLIN)
         try:
             while not self._stopping:
                 busy = self.engine.has_work()
                 events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+                if self._frontend_fd is not None and self._frontend_fd in events:
+                    log.error("frontend 0 exited without shutting the engine down; stopping")
+                    break
                 if self._wake_pull in events:
                     while self._wake_pull.poll(0):
                         self._wake_pull.recv()
@@ -210,4 +220,18 @@ class WorkerLoop:
                 log.warning("could not report the death on a lane: %s", err)
 
     def close(self) -> None:
+        if self._frontend_fd is not None:
+            os.close(self._frontend_fd)
         self.zctx.destroy(linger=1000)
+
+
+def _pidfd(pid: int, start_time: int | None) -> int | None:
+    """A pidfd of ``pid`` if it is still the process that started at ``start_time``, else None."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    if start_time is not None and proc_start_time(pid) != start_time:
+        os.close(fd)
+        return None
+    return fd

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             from executor.worker_loop import WorkerLoop
 
             loop = WorkerLoop(engine, role, codec, spec["ingress_addr"], spec["lane_addrs"],
-                              rank_shards(engine, info, ipc, size))
+                              rank_shards(engine, info, ipc, size),
+                              frontend=(spec["frontend_pid"], spec.get("frontend_start_time")))
     except Exception as err:  # noqa: BLE001 - reported to the proxy, then the rank exits
         cause = f"{type(err).__name__}: {err}"
         log.error("start-up failed: %s\n%s", cause, traceback.format_exc())

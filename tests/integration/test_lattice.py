@@ -206,3 +206,26 @@ def test_dead_attached_frontend_is_restarted(four_frontends, procs):
     assert len(now) == 3 and before[0] not in now, now
     # The restarted frontend serves again: all four answer on the shared port.
     assert _seen_frontends(four_frontends, 4, time.monotonic() + 60) == {"0", "1", "2", "3"}
+
+
+def test_kill_9_of_frontend_0_takes_ranks_and_attached_frontends_down(four_frontends, procs):
+    """Nothing is orphaned: ranks (own session) and attached frontends watch frontend 0's pidfd."""
+    frontend0 = procs.procs["gen-k4"].pid
+    ranks = [r["pid"] for r in httpx.get(four_frontends + "/server_info", timeout=10).json()["ranks"]]
+    attached = _frontend_children(frontend0)
+    assert ranks and len(attached) == 3
+    os.kill(frontend0, signal.SIGKILL)
+    procs.procs["gen-k4"].wait(10)
+
+    def alive(pid: int) -> bool:
+        from pathlib import Path
+
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(alive(p) for p in ranks + attached):
+        time.sleep(0.1)
+    assert not any(alive(p) for p in ranks + attached), [p for p in ranks + attached if alive(p)]
