@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -24,6 +25,14 @@ class _Terminated(Exception):
 
 def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated()
+
+
+def _self_command() -> str:
+    """How to call this CLI again from the user's shell: the venv's script path when not on PATH."""
+    argv0 = sys.argv[0]
+    if os.path.basename(argv0) == "pdserve" and shutil.which("pdserve") != os.path.abspath(argv0):
+        return os.path.relpath(argv0) if not os.path.isabs(argv0) else argv0
+    return "pdserve"
 
 
 def curl_line(topology: Topology, url: str) -> str:
@@ -64,7 +73,7 @@ def cmd_up(config: str, log_dir: str) -> int:
         launcher.start()
         launcher.wait_ready()
         print(f"\npdserve is ready at {launcher.url}\n  {curl_line(launcher.topology, launcher.url)}\n"
-              f"  pdserve status --url {launcher.url}    (admin token: {token_where})\n"
+              f"  {_self_command()} status --url {launcher.url}    (admin token: {token_where})\n"
               "Press Ctrl-C to stop.", flush=True)
         launcher.serve_forever()
     except (LaunchError, OSError) as err:
