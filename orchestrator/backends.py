@@ -18,6 +18,7 @@ from pathlib import Path
 from pdserve.config import Topology
 
 from .fleet import Instance
+from .launcher import signal_group
 from .pools import Server
 
 _MODULES = {"ctx": "ctx_worker", "gen": "gen_worker"}
@@ -95,11 +96,11 @@ class LocalBackend:
         proc: subprocess.Popen | None = inst.handle
         if proc is None or proc.poll() is not None:
             return
-        _signal_group(proc, signal.SIGTERM)
+        signal_group(proc, signal.SIGTERM)
         try:
             await asyncio.to_thread(proc.wait, grace_s)
         except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             await asyncio.to_thread(proc.wait, 5.0)
 
     def adopt(self, member: Server) -> Instance | None:
@@ -107,15 +108,6 @@ class LocalBackend:
 
     def pid(self, inst: Instance) -> int | None:
         return None if inst.handle is None else inst.handle.pid
-
-
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        return
-    except PermissionError:
-        proc.send_signal(sig)
 
 
 async def _run(argv: list[str]) -> str:

@@ -212,14 +212,14 @@ class LocalLauncher:
         running = [c for c in reversed(self.children) if c.proc is not None and c.returncode() is None]
         for child in running:
             self._say(f"stopping {child.name} (pid {child.pid})")
-            _signal_group(child.proc, signal.SIGTERM)
+            signal_group(child.proc, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for child in running:
             try:
                 child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._say(f"{child.name} (pid {child.pid}) ignored SIGTERM for {self.grace_s:g} s; killing it")
-                _signal_group(child.proc, signal.SIGKILL)
+                signal_group(child.proc, signal.SIGKILL)
                 try:
                     child.proc.wait(timeout=5.0)
                 except subprocess.TimeoutExpired:
@@ -233,7 +233,7 @@ class LocalLauncher:
         self.stop()
 
 
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
     """Signal the process group led by ``proc`` (its pid), or just ``proc`` if that fails."""
     try:
         os.killpg(proc.pid, sig)
