@@ -30,7 +30,7 @@ from pdserve.auth import auth_headers
 from pdserve.config import Role, Topology
 
 from .pools import ROLES, ClusterPools, Server
-from .tasks import TaskOwner
+from .tasks import LoopTask, TaskOwner
 
 log = logging.getLogger("orchestrator.fleet")
 
@@ -92,23 +92,18 @@ class Fleet:
         self.retired = 0
         self._next_slot = {r: 0 for r in ROLES}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._loop = LoopTask("orchestrator-fleet")
         self._settings = topology.launcher
         self._expected = {r: 0 for r in ROLES}  # started by someone else (slurm/pdserve.sbatch), not joined yet
         self._expect_until_s = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="orchestrator-fleet")
+        self._loop.start(self._run())
 
     async def stop(self) -> None:
         """Stop the reconcile loop, then every launched server (concurrently, bounded)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._loop.stop()
         live = [i for i in self.instances if i.handle is not None]
         for inst in live:
             inst.stopping = True

@@ -36,6 +36,8 @@ import httpx
 from pdserve.config import Role, Topology
 from pdserve.kv_pairing import join_layout, join_mismatch
 
+from .tasks import LoopTask
+
 log = logging.getLogger("orchestrator.pools")
 
 ROLES: tuple[Role, Role] = ("ctx", "gen")
@@ -258,18 +260,13 @@ class HealthPoller:
         self._timeout_s = timeout_s
         self._failure_threshold = failure_threshold
         self._ttl_s = ttl_s
-        self._task: asyncio.Task | None = None
+        self._loop = LoopTask("orchestrator-health-poller")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="orchestrator-health-poller")
+        self._loop.start(self._run())
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._loop.stop()
 
     async def poll_once(self) -> None:
         """Poll every member once, concurrently; admit the healthy ones that were not ready (layout

@@ -54,20 +54,29 @@ def _candidates(pool: Pool, exclude: set[str]) -> list[Server]:
     return [s for s in pool.ready() if s.url not in exclude]
 
 
+class _Rotation:
+    """A cursor that takes turns among a list of equally good servers."""
+
+    def __init__(self) -> None:
+        self._cursor = 0
+
+    def next(self, servers: list[Server]) -> Server | None:
+        if not servers:
+            return None
+        i, self._cursor = self._cursor, self._cursor + 1
+        return servers[i % len(servers)]
+
+
 class RoundRobinRouter:
     """Cycles through the ready servers of a pool."""
 
     needs_tokens = False
 
     def __init__(self) -> None:
-        self._cursor = 0
+        self._turns = _Rotation()
 
     def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
-        candidates = _candidates(pool, exclude)
-        if not candidates:
-            return None
-        i, self._cursor = self._cursor, self._cursor + 1
-        return candidates[i % len(candidates)]
+        return self._turns.next(_candidates(pool, exclude))
 
 
 class LeastLoadedRouter:
@@ -76,16 +85,14 @@ class LeastLoadedRouter:
     needs_tokens = False
 
     def __init__(self) -> None:
-        self._cursor = 0
+        self._turns = _Rotation()
 
     def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
         candidates = _candidates(pool, exclude)
         if not candidates:
             return None
         low = min(s.in_flight for s in candidates)
-        best = [s for s in candidates if s.in_flight == low]
-        i, self._cursor = self._cursor, self._cursor + 1
-        return best[i % len(best)]
+        return self._turns.next([s for s in candidates if s.in_flight == low])
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -36,3 +37,26 @@ class TaskOwner:
             task.cancel()
         if still:
             await asyncio.wait(still, timeout=timeout_s)
+
+
+class LoopTask:
+    """One long-running loop (a poller, a reconciler) with an explicit start and a cancelling stop."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._task: asyncio.Task | None = None
+
+    def start(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as the loop; a second start while it runs closes ``coro`` unused."""
+        if self._task is None:
+            self._task = asyncio.create_task(coro, name=self.name)
+        else:
+            coro.close()
+
+    async def stop(self) -> None:
+        """Cancel the loop and wait for it to finish its cleanup."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
