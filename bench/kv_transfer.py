@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine.kv_memory import allocate_kv_cache, transparent_huge_pages_mode  # noqa: E402
 from kv_transfer.factory import make_kv_client, make_kv_server  # noqa: E402
 from kv_transfer.layout import KVLayout, bytes_per_block  # noqa: E402
 from kv_transfer.lease import LeaseTable  # noqa: E402
@@ -33,10 +34,16 @@ BLOCK_SHAPE = (LAYOUT.num_layers, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAY
 MIB = 1 << 20
 
 
-def ctx_process(backend: str, num_blocks: int, conn) -> None:
-    """Serve a random cache; park leases on request (``("park", rid, ids)``) until ``("stop",)``."""
+def make_cache(num_blocks: int, huge_pages: bool, fill: float) -> torch.Tensor:
+    """A KV cache allocated like the engine's, every page touched."""
+    cache = allocate_kv_cache((num_blocks, *BLOCK_SHAPE), torch.float16, huge_pages=huge_pages)
+    return cache.fill_(fill)
+
+
+def ctx_process(backend: str, num_blocks: int, huge_pages: bool, conn) -> None:
+    """Serve a cache; park leases on request (``("park", rid, ids)``) until ``("stop",)``."""
     torch.set_num_threads(1)
-    cache = torch.randn(num_blocks, *BLOCK_SHAPE, dtype=torch.float16)
+    cache = make_cache(num_blocks, huge_pages, 0.5)
     leases = LeaseTable(lambda rid, reason: None)
     leases.start()
     server = make_kv_server(backend, cache, LAYOUT, leases, "127.0.0.1", 0, 60.0)
@@ -56,9 +63,10 @@ def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def bench_memcpy(nbytes: int, repeats: int) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8).fill_(2)  # touched: no page faults in the timing
+def bench_memcpy(nbytes: int, repeats: int, huge_pages: bool) -> float:
+    """Median GB/s of a single-threaded ``copy_`` of ``nbytes`` between two touched tensors."""
+    blocks = nbytes // MIB
+    src, dst = make_cache(blocks, huge_pages, 1.0), make_cache(blocks, huge_pages, 2.0)
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -67,15 +75,17 @@ def bench_memcpy(nbytes: int, repeats: int) -> float:
     return median_gbps(nbytes, times[1:])
 
 
-def bench_backend(backend: str, sizes_blocks: list[int], repeats: int, scattered: bool) -> dict[int, float]:
+def bench_backend(backend: str, sizes_blocks: list[int], repeats: int, scattered: bool,
+                  huge_pages: bool) -> dict[int, float]:
+    """Median GB/s of pulls of each size (in 1 MiB blocks) from a ctx process, end to end."""
     stride = 2 if scattered else 1
     num_blocks = max(sizes_blocks) * stride + 1
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
-    proc = spawn.Process(target=ctx_process, args=(backend, num_blocks, child), daemon=True)
+    proc = spawn.Process(target=ctx_process, args=(backend, num_blocks, huge_pages, child), daemon=True)
     proc.start()
     client = make_kv_client(backend, LAYOUT)
-    gen_cache = torch.zeros(num_blocks, *BLOCK_SHAPE, dtype=torch.float16).fill_(1)
+    gen_cache = make_cache(num_blocks, huge_pages, 1.0)
     results = {}
     try:
         endpoint = parent.recv()
@@ -102,19 +112,25 @@ def main() -> None:
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--backends", nargs="+", default=["ucx", "tcp"])
     ap.add_argument("--scattered", action="store_true")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="KV caches on 4 KiB pages (torch.zeros) instead of the engine's huge-page mapping")
     args = ap.parse_args()
     torch.set_num_threads(1)
     assert bytes_per_block(LAYOUT) == MIB
-    sizes = args.sizes_mib
-    memcpy = {n: bench_memcpy(n * MIB, args.repeats) for n in sizes}
-    by_backend = {b: bench_backend(b, sizes, args.repeats, args.scattered) for b in args.backends}
+    sizes, huge = args.sizes_mib, not args.small_pages
+    memcpy = {n: bench_memcpy(n * MIB, args.repeats, huge) for n in sizes}
+    memcpy_4k = {n: bench_memcpy(n * MIB, args.repeats, False) for n in sizes}
+    by_backend = {b: bench_backend(b, sizes, args.repeats, args.scattered, huge) for b in args.backends}
+    pages = "2 MiB transparent huge pages" if huge else "4 KiB pages"
     print(f"\nKV per request, median of {args.repeats} pulls ({'scattered blocks' if args.scattered else 'contiguous runs'}; "
+          f"caches on {pages}, THP mode {transparent_huge_pages_mode()}; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})\n")
-    print("| KV per request | memcpy GB/s | " + " | ".join(f"{b} GB/s (% of memcpy)" for b in args.backends) + " |")
-    print("|---|---|" + "---|" * len(args.backends))
+    print("| KV per request | memcpy GB/s | memcpy 4 KiB pages GB/s | "
+          + " | ".join(f"{b} GB/s (% of memcpy)" for b in args.backends) + " |")
+    print("|---|---|---|" + "---|" * len(args.backends))
     for n in sizes:
         cells = [f"{by_backend[b][n]:.2f} ({100 * by_backend[b][n] / memcpy[n]:.0f}%)" for b in args.backends]
-        print(f"| {n} MiB | {memcpy[n]:.2f} | " + " | ".join(cells) + " |")
+        print(f"| {n} MiB | {memcpy[n]:.2f} | {memcpy_4k[n]:.2f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

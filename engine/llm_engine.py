@@ -12,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
+from engine.kv_memory import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -53,8 +54,9 @@ class LLMEngine:
         self.model_config = model.config
         self.local_kv_heads = model.shard.num_kv_heads
         mc = model.config
-        self.kv_cache = _allocate_kv_cache((config.num_kv_blocks, mc.num_layers, 2, config.block_size,
-                                            self.local_kv_heads, mc.head_dim), dtype, config.kv_cache_file)
+        self.kv_cache = allocate_kv_cache((config.num_kv_blocks, mc.num_layers, 2, config.block_size,
+                                            self.local_kv_heads, mc.head_dim), dtype, config.kv_cache_file,
+                                           config.kv_cache_huge_pages)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, Sampler())
         self._plans: PlanBroadcaster | None = None
         if not self.tp.is_driver:
@@ -225,15 +227,3 @@ class LLMEngine:
         self._to_emit.clear()
         return outputs
 
-
-def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, path: str | None) -> torch.Tensor:
-    """A zeroed KV cache of ``shape``; with ``path``, backed by that file via a shared mapping so that
-    another process on the host (the server's rank 0, for tensor-parallel followers) can map it too."""
-    if path is None:
-        return torch.zeros(shape, dtype=dtype)
-    numel = 1
-    for d in shape:
-        numel *= d
-    cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-    cache.zero_()
-    return cache

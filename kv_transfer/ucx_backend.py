@@ -24,17 +24,21 @@ the bounded cache.
 tag base ``B`` per pull (its low 24 bits are zero):
 
 1. gen → ctx on ``CTRL_TAG``: ``{"op": "pull", "ctx_request_id", "layout", "dst_runs",
-   "reply_to", "tag": B}``.
+   "reply_to", "tag": B, "release": bool}``.
 2. ctx checks the layout pairing and pins the lease; answers on ``B``:
    ``{"ok": true, "bytes": N, "src_runs", "tag": B}`` or ``{"ok": false, "error", "tag": B}`` (every
    reply echoes ``B``; the gen side rejects a reply naming another base).
-3. Both sides cut the block pairing into runs contiguous on both sides
-   (:func:`kv_transfer.runs.plan_segments`); segment ``i`` goes from ``ctx_cache[src:src+n]`` to
-   ``gen_cache[dst:dst+n]`` with tag ``B+1+i``. Large messages use UCX rendezvous: the gen side
-   reads the ctx memory, and the ctx send completes only once the bytes have landed, so the ctx
-   side's ``end_pull`` (which may free the blocks) comes after the copy.
-4. gen → ctx on ``CTRL_TAG``: ``{"op": "release", ...}``; ctx frees the lease and acks on
-   ``B + ACK``.
+3. Right behind the answer (no round trip), both sides cut the block pairing into runs contiguous
+   on both sides (:func:`kv_transfer.runs.plan_segments`); segment ``i`` goes from
+   ``ctx_cache[src:src+n]`` to ``gen_cache[dst:dst+n]`` with tag ``B+1+i``. Large messages use UCX
+   rendezvous: the gen side reads the ctx memory, and the ctx send completes only once the bytes
+   have landed; small ones are copied out eagerly at send time. Either way, once every send has
+   completed the ctx blocks are no longer read.
+4. With ``"release": true`` the ctx side then releases the lease itself, still pinned (so no timer
+   or cancel can have freed the blocks mid-copy): a pull costs one round trip plus the bytes. With
+   ``"release": false`` (one lease pulled in pieces, e.g. by several gen TP ranks) the gen side
+   sends ``{"op": "release", ...}`` on ``CTRL_TAG`` once all pieces are in; ctx frees the lease and
+   acks on ``B + ACK``, saying whether the lease was still there.
 """
 
 from __future__ import annotations
@@ -70,8 +74,7 @@ CTRL_TAG = 0xC7A1_0000_0000_0001  # ctx workers receive requests here; gen tag b
 _SEQ_BITS = 24
 ACK = (1 << _SEQ_BITS) - 1  # offset of the release ack; segments use offsets 1 .. ACK - 1
 _FRAME_BYTES = 4 + MAX_HEADER_BYTES
-_CONTROL_POLL_S = 2e-3
-_EPOLL_TIMEOUT_MS = 5  # idle wait of the ctx control loop: latency vs. wakeups on a small machine
+_EPOLL_TIMEOUT_MS = 5  # bound of one event wait: a wakeup another thread's progress consumed costs this much
 
 
 def format_endpoint(host: str, port: int, address: bytes) -> str:
@@ -140,15 +143,25 @@ class _Request:
 
 
 class _Worker:
-    """One UCX context + worker with its progress thread; submissions are serialized by a lock."""
+    """One UCX context + worker; submissions are serialized by a lock.
 
-    def __init__(self) -> None:
+    With ``progress_thread`` a ucxx progress thread sleeps in epoll and progresses the worker on
+    events (the gen side: its pulls run on many threads). Without it, the owner drives progress
+    with :meth:`wait_event` (the ctx side's control loop), which wakes as soon as a message
+    arrives instead of polling.
+    """
+
+    def __init__(self, progress_thread: bool = True) -> None:
         self._context = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self._worker = ucx.UCXWorker(self._context)
-        # Blocking (event-driven) progress: polling mode is faster but starves a 2-core machine.
-        # The epoll timeout bounds a lost wakeup: with the default (-1, wait forever) a second
-        # rendezvous pull on a cached endpoint hung here until its deadline.
-        self._worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_TIMEOUT_MS)
+        self._progress_thread = progress_thread
+        if progress_thread:
+            # Blocking (event-driven) progress: polling mode is faster but starves a 2-core machine.
+            # The epoll timeout bounds a lost wakeup: with the default (-1, wait forever) a second
+            # rendezvous pull on a cached endpoint hung here until its deadline.
+            self._worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_TIMEOUT_MS)
+        else:
+            self._worker.init_blocking_progress_mode()
         self.address: bytes = self._worker.address.tobytes()
         self._lock = threading.Lock()
         self._stopped = False
@@ -185,10 +198,15 @@ class _Worker:
     def progress(self) -> None:
         self._worker.progress()
 
+    def wait_event(self) -> None:
+        """Sleep (GIL released) until the worker has an event or ``_EPOLL_TIMEOUT_MS`` passed, then progress."""
+        self._worker.progress_worker_event(_EPOLL_TIMEOUT_MS)
+
     def stop(self) -> None:
         if not self._stopped:
             self._stopped = True
-            self._worker.stop_progress_thread()
+            if self._progress_thread:
+                self._worker.stop_progress_thread()
 
 
 def _wait(worker: _Worker, requests: list, deadline: float, what: str, stopping: threading.Event) -> None:
@@ -326,7 +344,7 @@ class UcxKVServer:
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.on_sent = on_sent or (lambda nbytes, seconds: None)
         self._bytes_per_block = bytes_per_block(layout)
-        self._worker = _Worker()
+        self._worker = _Worker(progress_thread=False)  # progressed by the control loop
         self._peers = _EndpointCache(self._worker, capacity=256)
         self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ucx-serve")
@@ -353,18 +371,14 @@ class UcxKVServer:
         self._worker.stop()
 
     def _control_loop(self) -> None:
+        """Receive pull and release requests; hand each to the pool. Drives this worker's progress:
+        it sleeps in epoll (GIL released) and wakes when a message arrives."""
         while not self._stopping.is_set():
             req = self._worker.recv_any(Array(self._control_buf), CTRL_TAG)
-            # Poll fast right after a message (a pull's release follows its request closely), then
-            # back off to _CONTROL_POLL_S when idle; the progress thread alone would wake late.
-            pause = 5e-5
-            while True:
-                self._worker.progress()
-                if req.completed:
-                    break
-                if self._stopping.wait(pause):
+            while not req.completed:
+                if self._stopping.is_set():
                     return  # the posted receive dies with the worker; its buffer is ours until then
-                pause = min(pause * 1.5, _CONTROL_POLL_S)
+                self._worker.wait_event()
             try:
                 req.check_error()
                 msg = unpack_msg(memoryview(self._control_buf))
@@ -423,12 +437,12 @@ class UcxKVServer:
                 self._send_control(conn, base, {"ok": False, "error": error}, deadline)
                 return
             src_ids = lease.block_ids[:num_blocks]
-            segments = plan_segments(src_ids, dst_ids)
             nbytes = num_blocks * self._bytes_per_block
-            self._send_control(conn, base, {"ok": True, "bytes": nbytes, "src_runs": to_runs(src_ids)}, deadline)
+            answer = {"ok": True, "bytes": nbytes, "src_runs": to_runs(src_ids), "tag": base}
             t0 = time.perf_counter()
-            buffers, requests = [], []
-            for i, seg in enumerate(segments):
+            buffers = [_frame(answer)]
+            requests = [self._worker.send(conn.ep, buffers[0], base)]
+            for i, seg in enumerate(plan_segments(src_ids, dst_ids)):
                 blocks = self.kv_cache[seg.src_start:seg.src_start + seg.count]
                 buffers.append(_as_array(blocks if blocks.is_contiguous() else blocks.contiguous()))
                 requests.append(self._worker.send(conn.ep, buffers[-1], base + 1 + i))
@@ -437,6 +451,8 @@ class UcxKVServer:
             except _EndpointFailed:
                 self._peers.discard(conn)  # cancel the sends before end_pull may free the blocks
                 raise
+            if msg.get("release") is True:
+                self.leases.release(rid)  # still pinned: applied by end_pull below
             self.on_sent(nbytes, time.perf_counter() - t0)
         finally:
             self.leases.end_pull(rid)
@@ -479,8 +495,10 @@ class UcxKVClient:
 
     def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
              kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True) -> int:
-        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``,
-        then tell the ctx side to release the lease. Blocking; call from a worker thread.
+        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``.
+
+        With ``release`` the ctx side frees the lease once its sends completed (step 4 of the module
+        docstring); without, call :meth:`release` after the last piece. Blocking; call from a worker thread.
 
         Returns:
             bytes received.
@@ -547,9 +565,9 @@ class UcxKVClient:
         try:
             reply = self._worker.recv(conn.ep, Array(reply_buf), base)
             request = {"op": "pull", "ctx_request_id": rid, "layout": self.layout.model_dump(),
-                       "dst_runs": to_runs(dst_ids), "reply_to": self._reply_to, "tag": base}
-            self._wait([self._worker.send(conn.ep, _frame(request), CTRL_TAG)], deadline, "sending the pull request")
-            self._wait([reply], deadline, "waiting for the ctx side's answer")
+                       "dst_runs": to_runs(dst_ids), "reply_to": self._reply_to, "tag": base, "release": release}
+            sent = self._worker.send(conn.ep, _frame(request), CTRL_TAG)
+            self._wait([sent, reply], deadline, "waiting for the ctx side's answer")
         except _EndpointFailed as err:
             err.before_data = True
             raise
@@ -567,8 +585,6 @@ class UcxKVClient:
             raise KVTransferError(f"ctx KV server {endpoint} sends {len(src_ids)} blocks / {nbytes} bytes; "
                                   f"{len(dst_ids)} blocks / {len(dst_ids) * row_bytes} bytes expected")
         self._receive(conn, rid, kv_cache, plan_segments(src_ids, dst_ids), base, nbytes, deadline)
-        if release:
-            self._release_lease(conn, endpoint, rid, base, deadline)
         return nbytes
 
     def _receive(self, conn: _Conn, rid: str, kv_cache: torch.Tensor, segments: list, base: int,
