@@ -2,11 +2,14 @@
 
 A ctx process serves a block-major cache (1 MiB blocks: 32 layers x K,V x 16 tokens x 8 heads x
 64 dims, fp16); this process pulls 1, 16 and 256 MiB per request into its own cache and times
-each pull end to end (request, bytes, release). memcpy is ``torch`` ``copy_`` of the same bytes
-between two touched tensors in this process, in the same run. Prints a markdown table of medians.
+each pull end to end (request, answer, bytes; the ctx side releases the lease itself). Both caches
+are allocated like the engine's (``engine.kv_memory``: transparent huge pages unless
+``--small-pages``) and every page is touched first. memcpy is a single-threaded ``torch`` ``copy_``
+of the same bytes between two touched tensors in this process, in the same run, on the same kind
+of pages (and, for reference, on 4 KiB pages). Prints a markdown table of medians.
 
     .venv/bin/python bench/kv_transfer.py [--repeats 7] [--sizes-mib 1 16 256] [--backends ucx tcp]
-                                          [--scattered]
+                                          [--scattered] [--small-pages]
 
 ``--scattered`` uses every other block on the ctx side (one message per block) instead of runs.
 """

@@ -8,8 +8,10 @@ Protocol (one connection per pull, gen side speaks first; control frames as in `
 3. gen → ctx ``{"op": "release", "ctx_request_id"}`` once the bytes landed; ctx frees the lease and
    answers ``{"ok": true}``. A gen side that dies before step 3 leaves the lease to its timer.
 
-Blocking sockets in threads: the bytes go straight from the cache copy into the kernel (ctx) and
-from the kernel into a preallocated buffer (gen) with ``recv_into``.
+Blocking sockets in threads, no staging copies: the ctx side ``sendall``s each run of consecutive
+source blocks straight from its cache, the gen side ``recv_into``s each run of consecutive
+destination blocks straight into its own (the stream is cut differently on both sides; only the
+byte order, block i of the lease → ``dst_block_ids[i]``, is shared).
 """
 
 from __future__ import annotations
@@ -25,11 +27,16 @@ import torch
 
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, bytes_per_block, check_pairing
 from kv_transfer.lease import LeaseError, LeaseTable
+from kv_transfer.runs import to_runs
 from kv_transfer.wire import KVTransferError, parse_endpoint, recv_exact_into, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
-CHUNK_BLOCKS_BYTES = 8 << 20  # copy at most ~8 MiB of blocks out of the cache at a time
+
+
+def _byte_view(blocks: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, shared (no copy)."""
+    return memoryview(blocks.view(torch.uint8).reshape(-1).numpy())
 
 
 class TcpKVServer:
@@ -116,11 +123,8 @@ class TcpKVServer:
             bpb = bytes_per_block(self.layout)
             send_msg(sock, {"ok": True, "bytes": num_blocks * bpb})
             t0 = time.perf_counter()
-            step = max(1, CHUNK_BLOCKS_BYTES // bpb)
-            ids = lease.block_ids[:num_blocks]
-            for i in range(0, num_blocks, step):
-                chunk = self.kv_cache[torch.tensor(ids[i:i + step])].contiguous()
-                sock.sendall(memoryview(chunk.view(torch.uint8).numpy()))
+            for start, count in to_runs(lease.block_ids[:num_blocks]):  # pinned: the blocks stay ours
+                sock.sendall(_byte_view(self.kv_cache[start:start + count].contiguous()))
             self.on_sent(num_blocks * bpb, time.perf_counter() - t0)
         finally:
             self.leases.end_pull(rid)
@@ -164,15 +168,12 @@ class TcpKVClient:
                 if not answer.get("ok"):
                     raise KVTransferError(f"ctx KV server {endpoint} refused the pull: {answer.get('error')}")
                 nbytes = int(answer["bytes"])
-                block_shape = kv_cache.shape[1:]
-                buf = torch.empty((len(dst_block_ids), *block_shape), dtype=kv_cache.dtype)
-                view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
-                if view.nbytes != nbytes:
-                    raise KVTransferError(f"ctx KV server {endpoint} sends {nbytes} bytes; {view.nbytes} expected")
-                recv_exact_into(sock, view)
+                expected = len(dst_block_ids) * kv_cache[0].numel() * kv_cache.element_size()
+                if nbytes != expected:
+                    raise KVTransferError(f"ctx KV server {endpoint} sends {nbytes} bytes; {expected} expected")
+                self._receive(sock, kv_cache, dst_block_ids)
                 if time.monotonic() > deadline:
                     raise KVTransferError(f"KV pull from {endpoint} took longer than {timeout_s:.1f} s")
-                kv_cache[torch.tensor(dst_block_ids)] = buf
                 if release:
                     self._release_on(sock, endpoint, ctx_request_id)
                 return nbytes
@@ -180,6 +181,17 @@ class TcpKVClient:
             raise KVTransferError(f"KV pull from {endpoint} timed out after {timeout_s:.1f} s") from None
         except OSError as err:
             raise KVTransferError(f"KV pull from {endpoint} failed: {err}") from None
+
+    @staticmethod
+    def _receive(sock: socket.socket, kv_cache: torch.Tensor, dst_block_ids: list[int]) -> None:
+        """Read the pulled blocks in order, each run of consecutive ids straight into the cache
+        (through a staging tensor only where the cache slice is not contiguous)."""
+        for start, count in to_runs(dst_block_ids):
+            blocks = kv_cache[start:start + count]
+            target = blocks if blocks.is_contiguous() else torch.empty_like(blocks, memory_format=torch.contiguous_format)
+            recv_exact_into(sock, _byte_view(target))
+            if target is not blocks:
+                blocks.copy_(target)
 
     def release(self, endpoint: str, ctx_request_id: str, timeout_s: float) -> None:
         """Release a lease after a pull made with ``release=False``.
