@@ -133,7 +133,8 @@ def attach(state: "ServerState") -> Registrar:
 
     state.routers.append(admin_router(state))
     registrar = Registrar(state.config, lambda: {"state": state.client.state.value,
-                                                 "kv_layout": state.kv_layout.model_dump()})
+                                                 "kv_layout": state.kv_layout.model_dump(),
+                                                 "max_model_len": state.client.max_model_len})
     state.on_shutdown.append(registrar.stop)  # shutdown hooks run in reverse: deregister first
     registrar.start()
     return registrar

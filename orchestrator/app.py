@@ -228,7 +228,8 @@ def add_openai_routes(app: FastAPI, orch: Orchestrator) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return ModelList(data=[ModelCard(id=orch.topology.model.name, created=now_s())]).model_dump()
+        card = ModelCard(id=orch.topology.model.name, created=now_s(), max_model_len=orch.pools.max_model_len())
+        return ModelList(data=[card]).model_dump()
 
 
 def add_cluster_routes(app: FastAPI, orch: Orchestrator) -> None:
@@ -297,6 +298,7 @@ def add_control_routes(app: FastAPI, orch: Orchestrator) -> None:
         member.info = body.model_dump()
         member.last_heartbeat_s = time.monotonic()
         extra = body.model_extra or {}
+        member.note_max_model_len(extra.get("max_model_len"))
         if isinstance(extra.get("kv_layout"), dict):
             layout = join_layout(extra["kv_layout"], extra.get("kv_layouts"))
             known = member.kv_layout or {}

@@ -72,6 +72,7 @@ class Server:
     joined_s: float = field(default_factory=time.monotonic, repr=False)
     kv_layout: dict | None = field(default=None, repr=False)  # None: not known (not reported)
     layout_ok: bool = field(default=False, repr=False)  # accepted by the join-time layout check
+    max_model_len: int | None = None        # context window (tokens) it reports; None: not known
     warned_reason: str | None = field(default=None, repr=False)  # the last incompatibility logged
 
     @property
@@ -125,11 +126,16 @@ class Server:
         finally:
             self.in_flight -= 1
 
+    def note_max_model_len(self, value: object) -> None:
+        """Record the context window a server reported (``/server_info`` or its registration)."""
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            self.max_model_len = value
+
     def status(self) -> dict:
         return {"name": self.name, "url": self.url, "source": self.source, "state": self.state.value,
                 "in_flight": self.in_flight, "served": self.served, "failures": self.failures,
                 "instance_id": self.instance_id, "pid": self.info.get("pid"), "last_error": self.last_error,
-                "kv_layout": self.kv_layout}
+                "kv_layout": self.kv_layout, "max_model_len": self.max_model_len}
 
 
 class Pool:
@@ -243,6 +249,15 @@ class ClusterPools:
     def status(self) -> dict:
         return {role: [s.status() for s in self.pool(role).servers] for role in ROLES}
 
+    def max_model_len(self) -> int | None:
+        """The context window (tokens) a request can use through this cluster: the smallest one
+        reported by a ready ctx or gen server (a request passes one of each); ``None`` if none is known."""
+        known = [s.max_model_len for s in self.ready_servers() if s.max_model_len is not None]
+        return min(known) if known else None
+
+    def ready_servers(self) -> list[Server]:
+        return self.ctx.ready() + self.gen.ready()
+
 
 class HealthPoller:
     """Polls ``GET /health`` of every member every ``interval_s`` seconds, expires heartbeats.
@@ -326,6 +341,8 @@ class HealthPoller:
         if info.status_code == 200:
             with contextlib.suppress(ValueError):
                 body = info.json()
+        if isinstance(body, dict):
+            server.note_max_model_len(body.get("max_model_len"))
         if isinstance(body, dict) and isinstance(body.get("kv_layout"), dict):
             server.kv_layout = join_layout(body["kv_layout"], body.get("kv_layouts"))
         return True  # with no layout in the answer, keep what its registration said (if anything)

@@ -143,9 +143,13 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(tiny_cluster, targ
 
 
 def test_models_and_health(tiny_cluster):
+    windows = []
     for url in (tiny_cluster.url, tiny_cluster.server_url("ctx"), tiny_cluster.server_url("gen")):
         assert httpx.get(url + "/health", timeout=5).status_code == 200
-        assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=5).json()["data"]] == [TINY_NAME]
+        cards = httpx.get(url + "/v1/models", timeout=5).json()["data"]
+        assert [m["id"] for m in cards] == [TINY_NAME]
+        windows.append(cards[0]["max_model_len"])
+    assert isinstance(windows[0], int) and windows[0] == min(windows[1:])  # the orchestrator's = its servers'
 
 
 def test_pulled_lease_frees_ctx_blocks(tiny_cluster):

@@ -58,15 +58,17 @@ def make_topology(ctx_ports: list[int], gen_ports: list[int], orch_port: int, **
 
 @pytest.fixture
 def make_cluster():
-    """``make_cluster(n_ctx=1, n_gen=1, wait=True, layouts=None, **orchestrator_settings) -> Cluster``.
+    """``make_cluster(n_ctx=1, n_gen=1, wait=True, layouts=None, behaviors=None, **orchestrator_settings) -> Cluster``.
 
     ``layouts={"gen": [{"block_size": 32}]}``: KV layout fields of gen server 0 that differ from
     :data:`orch_fakes.KV_LAYOUT` (what its ``/server_info`` reports); ``None``: no ``/server_info``.
+    ``behaviors={"ctx": [{"max_model_len": 512}]}``: :class:`orch_fakes.Behavior` fields of ctx
+    server 0, set before it starts.
     """
     clusters: list[Cluster] = []
 
     def factory(n_ctx: int = 1, n_gen: int = 1, wait: bool = True, layouts: dict[str, list[dict | None]] | None = None,
-                **orch: object) -> Cluster:
+                behaviors: dict[str, list[dict]] | None = None, **orch: object) -> Cluster:
         nodes = {}
         servers: list[ThreadServer] = []
         for role, n in (("ctx", n_ctx), ("gen", n_gen)):
@@ -76,6 +78,8 @@ def make_cluster():
                 beh, rec = Behavior(), Record()
                 if i < len(overrides):
                     beh.kv_layout = None if overrides[i] is None else {**KV_LAYOUT, **overrides[i]}
+                for key, value in ((behaviors or {}).get(role, [])[i:i + 1] or [{}])[0].items():
+                    setattr(beh, key, value)
                 srv = ThreadServer(make_fake_server(role, beh, rec)).start()
                 servers.append(srv)
                 nodes[role].append(FakeNode(srv, beh, rec))

@@ -45,6 +45,7 @@ class Behavior:
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
     answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
     kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
+    max_model_len: int = 2048              # what /server_info reports
 
 
 @dataclass
@@ -179,7 +180,7 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
         if beh.kv_layout is None:
             return JSONResponse(error_body("Not Found", "not_found", 404), 404)
         return {"role": role, "model": MODEL, "state": "serving", "kv_layout": beh.kv_layout,
-                "kv_layouts": [beh.kv_layout]}
+                "kv_layouts": [beh.kv_layout], "max_model_len": beh.max_model_len}
 
     @app.post("/disagg/release")
     async def release(request: Request):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -90,6 +92,17 @@ def test_models_lists_the_topology_model(cluster):
     r = httpx.get(cluster.url + "/v1/models", timeout=5)
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == [MODEL]
+    assert r.json()["data"][0]["max_model_len"] == 2048  # what the servers report
+
+
+def test_models_reports_the_smallest_context_window_of_the_ready_servers(make_cluster):
+    """A request passes one ctx and one gen server: the cluster's window is the smallest one."""
+    c = make_cluster(n_ctx=2, behaviors={"ctx": [{}, {"max_model_len": 1536}], "gen": [{"max_model_len": 4096}]})
+    deadline = time.monotonic() + 10
+    while httpx.get(c.url + "/cluster/status", timeout=5).json()["pools"]["ctx"]["ready"] < 2:
+        assert time.monotonic() < deadline, "the second ctx server never turned ready"
+        time.sleep(0.05)
+    assert httpx.get(c.url + "/v1/models", timeout=5).json()["data"][0]["max_model_len"] == 1536
 
 
 def test_round_robin_spreads_over_ctx_and_gen(make_cluster):
