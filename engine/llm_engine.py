@@ -87,6 +87,11 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    def stats(self) -> dict[str, int]:
+        """Block and scheduler counts: ``free_blocks``, ``total_blocks`` and :meth:`Scheduler.counts`."""
+        return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
+                **self.scheduler.counts()}
+
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request. Raises RequestValidationError when it cannot be served."""
         if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None:

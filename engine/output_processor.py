@@ -42,8 +42,11 @@ class OutputProcessor:
         text = seq.output_text[seq.emitted_text_len:end]
         seq.emitted_text_len = end
         tokens, seq.pending_token_ids = seq.pending_token_ids, []
+        queue_time_s = None
+        if seq.queue_time_s is not None and not seq.queue_time_reported:
+            queue_time_s, seq.queue_time_reported = seq.queue_time_s, True
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=tokens, new_text=text,
             finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            parked_block_ids=parked_block_ids)
+            parked_block_ids=parked_block_ids, queue_time_s=queue_time_s)

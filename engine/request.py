@@ -32,7 +32,9 @@ class RequestOutput:
 
     new_text is the detokenized delta (stop strings excluded). num_output_tokens counts all output
     tokens so far, first_token_ids included. parked_block_ids lists the blocks a CONTEXT_ONLY
-    request left allocated for hand-off (until release_parked/abort_request).
+    request left allocated for hand-off (until release_parked/abort_request). queue_time_s (seconds
+    from arrival in the engine to first admission, like vLLM's request_queue_time) is set on the
+    first output after admission and None on every other.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     parked_block_ids: list[int] | None = None
+    queue_time_s: float | None = None
 
 
 @dataclass

@@ -36,6 +36,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def counts(self) -> dict[str, int]:
+        """Sequences per state: ``waiting_requests`` (queued), ``scheduled_requests`` (running),
+        ``pulling_requests`` (GENERATION_ONLY waiting for KV), ``parked_requests`` (hand-offs)."""
+        return {"waiting_requests": len(self.waiting), "scheduled_requests": len(self.running),
+                "pulling_requests": len(self.pulling), "parked_requests": len(self.parked)}
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -86,6 +92,7 @@ class Scheduler:
                 return
             self.bm.grow(seq.block_ids, seq.num_computed + k)
             self.waiting.popleft()
+            seq.mark_admitted()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.items.append((seq, k))
@@ -98,6 +105,7 @@ class Scheduler:
             return False
         seq.block_ids = self.bm.allocate(need)
         self.waiting.popleft()
+        seq.mark_admitted()
         seq.status = SeqStatus.PULLING
         self.pulling[seq.request_id] = seq
         return True

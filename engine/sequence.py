@@ -1,6 +1,7 @@
 """Per-request state inside the engine."""
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -38,6 +39,14 @@ class Sequence:
         self.pending_token_ids: list[int] = []   # produced but not yet returned to the caller
         self.finish_reason: str | None = None
         self.parked = False
+        self.arrival_s = time.monotonic()
+        self.queue_time_s: float | None = None   # arrival → first admitted (blocks allocated)
+        self.queue_time_reported = False
+
+    def mark_admitted(self) -> None:
+        """Record the queue time at the first admission (a preempted sequence keeps its first one)."""
+        if self.queue_time_s is None:
+            self.queue_time_s = time.monotonic() - self.arrival_s
 
     @property
     def num_tokens(self) -> int:

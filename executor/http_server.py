@@ -219,6 +219,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             stats = state.client.stats()
         state.metrics.kv_free_blocks.set(stats["free_blocks"])
         state.metrics.kv_total_blocks.set(stats["total_blocks"])
+        state.metrics.requests_waiting.set(stats.get("waiting_requests", 0))
+        state.metrics.requests_running.set(stats.get("scheduled_requests", 0))
         collector = getattr(state.metrics, "role_stats", None)
         if collector is not None:
             collector.snapshot = stats
@@ -295,6 +297,8 @@ class _Run:
 
     def _observe(self, out: RequestOutput) -> None:
         m, now = self.state.metrics, time.perf_counter()
+        if out.queue_time_s is not None:
+            m.queue_time.labels(request_type=self.rtype).observe(out.queue_time_s)
         if out.new_token_ids:
             if self.t_last is None:
                 m.ttft.labels(request_type=self.rtype).observe(now - self.t_submit)

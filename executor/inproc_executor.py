@@ -153,8 +153,7 @@ class InProcessExecutor(EngineClient):
                 return
 
     def _read_stats(self) -> dict[str, int]:
-        e = self._engine
-        return {"free_blocks": e.num_free_blocks, "total_blocks": e.config.num_kv_blocks}
+        return self._engine.stats()
 
     def _die(self, reason: str, log_error: bool = True) -> None:
         """Make the engine dead (sticky) and fail every pending request with EngineDeadError."""

@@ -2,7 +2,8 @@
 
 Names follow the conventions of existing serving stacks (``*_seconds`` histograms, ``*_total``
 counters; TTFT/TPOT as in vLLM's ``vllm:time_to_first_token_seconds`` and
-``vllm:time_per_output_token_seconds``), prefixed ``pdserve_``.
+``vllm:time_per_output_token_seconds``), prefixed ``pdserve_``; queue time and the waiting/running gauges as vLLM's
+``vllm:request_queue_time_seconds``, ``vllm:num_requests_waiting`` and ``vllm:num_requests_running``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ class ServerMetrics:
                               ["request_type"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pdserve_server_time_per_output_token_seconds", "Gap between output tokens (ITL)",
                               ["request_type"], buckets=_TPOT_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdserve_server_request_queue_time_seconds",
+                                    "Arrival in the engine to first admission (KV blocks allocated)",
+                                    ["request_type"], buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_server_e2e_request_latency_seconds", "Submit to last token",
                              ["request_type"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_server_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve_server_generation_tokens", "Output tokens", registry=r)
         self.kv_free_blocks = Gauge("pdserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
         self.kv_total_blocks = Gauge("pdserve_kv_cache_total_blocks", "KV blocks in the cache", registry=r)
+        self.requests_waiting = Gauge("pdserve_num_requests_waiting", "Requests queued in the engine (no blocks yet)",
+                                      registry=r)
+        self.requests_running = Gauge("pdserve_num_requests_running", "Requests the engine schedules every step",
+                                      registry=r)
         self.info = Gauge("pdserve_server_info", "Constant 1, labelled with the server's role and KV backend",
                           ["role", "kv_backend"], registry=r)
         self.info.labels(role=role, kv_backend=kv_backend).set(1)

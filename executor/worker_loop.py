@@ -201,8 +201,7 @@ class WorkerLoop:
                 self._out[lane].append(("stats", stats))
 
     def _stats(self) -> dict:
-        return {"free_blocks": self.engine.num_free_blocks, "total_blocks": self.engine.config.num_kv_blocks,
-                "running_requests": len(self._owner), "state": self.state.value,
+        return {**self.engine.stats(), "running_requests": len(self._owner), "state": self.state.value,
                 "ipc_rejected_worker": self.codec.rejected, **self.role.stats()}
 
     def _flush(self) -> None:

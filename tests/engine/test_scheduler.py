@@ -1,4 +1,6 @@
 """Continuous batching must not change greedy results; budgets and preemption hold."""
+import time
+
 from engine import EngineConfig, EngineRequest, LLMEngine
 from engine.model_runner import ModelRunner
 
@@ -69,3 +71,24 @@ def test_engine_config_defaults(tiny_engine):
     assert isinstance(cfg, EngineConfig)
     assert tiny_engine.max_model_len == min(2048, cfg.num_kv_blocks * cfg.block_size)
     assert isinstance(tiny_engine, LLMEngine)
+
+
+def test_queue_time_reported_once_and_grows_with_the_queue(tiny_engine_factory, tiny_engine):
+    """max_batch_size=1: the second request waits for the whole first one; each reports its queue time once."""
+    eng = tiny_engine_factory(num_kv_blocks=64, max_batch_size=1)
+    prompts = _prompts(tiny_engine)[:2]
+    first_done = {}
+    orig = eng.scheduler.finish
+
+    def finish(seq, park=False):
+        first_done[seq.request_id] = time.monotonic() - seq.arrival_s  # its time in the engine
+        return orig(seq, park)
+
+    eng.scheduler.finish = finish
+    res = run_all(eng, [EngineRequest(f"q{i}", p, greedy(12)) for i, p in enumerate(prompts)])
+    reported = {rid: [o.queue_time_s for o in r["outputs"] if o.queue_time_s is not None] for rid, r in res.items()}
+    assert [len(v) for v in reported.values()] == [1, 1]
+    assert 0 <= reported["q0"][0] < reported["q1"][0]
+    assert reported["q1"][0] >= 0.9 * first_done["q0"]  # q1 was admitted only after q0 finished
+    assert eng.stats() == {"free_blocks": 64, "total_blocks": 64, "waiting_requests": 0,
+                           "scheduled_requests": 0, "pulling_requests": 0, "parked_requests": 0}

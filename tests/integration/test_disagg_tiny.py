@@ -177,3 +177,8 @@ def test_kv_transfer_metrics_on_both_servers(tiny_cluster):
     assert value(gen, 'pdserve_kv_transfer_seconds_bucket{direction="received",le="+Inf"}') >= 1
     backend = httpx.get(tiny_cluster.server_url("gen") + "/server_info", timeout=10).json()["kv_backend"]
     assert f'pdserve_server_info{{kv_backend="{backend}",role="gen"}} 1.0' in gen
+    # Queue time (arrival in the engine to admission) observed once per request on each side.
+    assert value(ctx, 'pdserve_server_request_queue_time_seconds_count{request_type="context_only"}') >= 1
+    assert value(gen, 'pdserve_server_request_queue_time_seconds_count{request_type="generation_only"}') >= 1
+    for text in (ctx, gen):
+        assert value(text, "pdserve_num_requests_waiting ") == 0 and value(text, "pdserve_num_requests_running ") == 0
