@@ -28,7 +28,7 @@ KVClient = Union[TcpKVClient, "UcxKVClient"]  # noqa: F821
 def _ucx_import_error() -> str | None:
     """Why ``ucx_backend`` cannot be used here, or None when it can (imported once per process)."""
     try:
-        import kv_transfer.ucx_backend  # noqa: F401
+        import kv_transfer.ucx_client  # noqa: F401 (imports ucx_backend and ucxx)
     except Exception as err:  # an ImportError, or a shared library that does not load
         return f"{type(err).__name__}: {err}"
     return None
@@ -61,6 +61,12 @@ def _ucx():
     return ucx_backend
 
 
+def _ucx_client_cls():
+    _ucx()
+    from kv_transfer.ucx_client import UcxKVClient
+    return UcxKVClient
+
+
 def make_kv_server(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
                    host: str, port: int, timeout_s: float,
                    on_sent: Callable[[int, float], None] | None = None) -> KVServer:
@@ -69,8 +75,9 @@ def make_kv_server(backend: str, kv_cache: torch.Tensor, layout: KVLayout, lease
     return cls(kv_cache, layout, leases, host, port, timeout_s, on_sent=on_sent)
 
 
-def make_kv_client(backend: str, layout: KVLayout) -> KVClient:
-    """The gen-side transceiver for ``backend``; it talks only to servers of the same backend."""
+def make_kv_client(backend: str, layout: KVLayout, same_host_reads: bool = True) -> KVClient:
+    """The gen-side transceiver for ``backend``; it talks only to servers of the same backend.
+    ``same_host_reads=False`` makes a ucx client take every byte as UCX messages (benchmarks)."""
     if resolve_backend(backend) == "ucx":
-        return _ucx().UcxKVClient(layout)
+        return _ucx_client_cls()(layout, same_host_reads=same_host_reads)
     return TcpKVClient(layout)
