@@ -8,8 +8,12 @@ are allocated like the engine's (``engine.kv_memory``: transparent huge pages un
 of the same bytes between two touched tensors in this process, in the same run, on the same kind
 of pages (and, for reference, on 4 KiB pages). Prints a markdown table of medians.
 
-    .venv/bin/python bench/kv_transfer.py [--repeats 7] [--sizes-mib 1 16 256] [--backends ucx tcp]
-                                          [--scattered] [--small-pages]
+    .venv/bin/python bench/kv_transfer.py [--repeats 7] [--sizes-mib 1 16 256]
+                                          [--backends ucx ucx-messages tcp] [--scattered] [--small-pages]
+
+``ucx`` is the backend as servers run it (same-host bytes read with ``process_vm_readv``, UCX for
+control); ``ucx-messages`` makes the client take every byte as UCX messages, the path used between
+hosts (on one host UCX then runs over tcp: endpoints have error handling, see kv_transfer/cma.py).
 
 ``--scattered`` uses every other block on the ctx side (one message per block) instead of runs.
 """
@@ -85,9 +89,10 @@ def bench_backend(backend: str, sizes_blocks: list[int], repeats: int, scattered
     num_blocks = max(sizes_blocks) * stride + 1
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
-    proc = spawn.Process(target=ctx_process, args=(backend, num_blocks, huge_pages, child), daemon=True)
+    kind = "ucx" if backend == "ucx-messages" else backend
+    proc = spawn.Process(target=ctx_process, args=(kind, num_blocks, huge_pages, child), daemon=True)
     proc.start()
-    client = make_kv_client(backend, LAYOUT)
+    client = make_kv_client(kind, LAYOUT, same_host_reads=backend != "ucx-messages")
     gen_cache = make_cache(num_blocks, huge_pages, 1.0)
     results = {}
     try:
@@ -113,7 +118,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 256])
-    ap.add_argument("--backends", nargs="+", default=["ucx", "tcp"])
+    ap.add_argument("--backends", nargs="+", default=["ucx", "ucx-messages", "tcp"],
+                    choices=["ucx", "ucx-messages", "tcp"])
     ap.add_argument("--scattered", action="store_true")
     ap.add_argument("--small-pages", action="store_true",
                     help="KV caches on 4 KiB pages (torch.zeros) instead of the engine's huge-page mapping")

@@ -7,14 +7,17 @@ page walk, not the copy, bounds the pull (measured here: 4.4 GB/s for 256 MiB wi
 huge pages when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``, or ``madvise`` and
 the range was advised ``MADV_HUGEPAGE`` (madvise(2)); only 2 MiB-aligned 2 MiB extents qualify, so
 the mapping is over-allocated by one huge page and the tensor starts at an aligned address.
-Where the kernel says ``never`` the advice is a no-op and the cache runs on 4 KiB pages.
+Where the kernel says ``never`` the advice is a no-op, and where it has no THP at all madvise
+fails with ``EINVAL``; either way the cache runs on 4 KiB pages.
 
-Pages are not touched here: an anonymous mapping reads as zeros and is committed on first write,
-like ``torch.zeros`` of a large tensor.
+The whole cache is committed at allocation (``MADV_POPULATE_WRITE``, Linux >= 5.14, else by
+writing zeros), as ``torch.zeros`` does: a ``num_kv_blocks`` too large for the host fails at start
+rather than under load, and the huge pages exist before the first pull.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import mmap
@@ -25,6 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
+_MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); not in Python's mmap module
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -54,8 +58,24 @@ def allocate_huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tor
     offset = -base.data_ptr() % HUGE_PAGE_BYTES
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
-        region.madvise(advice)  # no-op where the kernel's THP mode is ``never``
-    return base[offset:offset + nbytes].view(dtype).view(shape)
+        try:
+            region.madvise(advice)  # no-op where the kernel's THP mode is ``never``
+        except OSError as err:
+            log.warning("KV cache stays on 4 KiB pages: madvise(MADV_HUGEPAGE) failed (%s)", err)
+    tensor = base[offset:offset + nbytes]
+    _commit(region, tensor)
+    return tensor.view(dtype).view(shape)
+
+
+def _commit(region: mmap.mmap, tensor: torch.Tensor) -> None:
+    """Back every page now (see the module docstring)."""
+    try:
+        region.madvise(_MADV_POPULATE_WRITE)
+        return
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise  # ENOMEM and friends: the host cannot hold this cache
+    tensor.zero_()
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, path: str | None = None,

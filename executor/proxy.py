@@ -73,12 +73,19 @@ def mpiexec_path() -> str:
     return found
 
 
+def ipc_parent() -> str | None:
+    """Where IPC directories go: ``/dev/shm`` (tmpfs) where writable, so that tensor-parallel KV
+    cache files in them are shared memory rather than disk-backed files; else the temp dir."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
 class Proxy:
     """Creates the IPC directory and key, launches the ranks, runs the READY handshake."""
 
     def __init__(self, cfg: ServerConfig, num_frontends: int, rank_log: Path) -> None:
         self.cfg, self.num_frontends, self.rank_log = cfg, num_frontends, rank_log
-        self.ipc_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-{cfg.role}{cfg.index}-"))  # mode 0700
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-{cfg.role}{cfg.index}-", dir=ipc_parent()))  # mode 0700
         self.key = new_key()
         (self.ipc_dir / "key").write_bytes(self.key)
         os.chmod(self.ipc_dir / "key", 0o600)

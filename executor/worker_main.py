@@ -72,7 +72,9 @@ def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
     if os.environ.get(CRASH_ENV) == str(rank):
         raise RuntimeError(f"injected start-up crash ({CRASH_ENV}={rank})")
     cfg = ServerConfig.model_validate(spec["server"])
-    econf = engine_config(cfg, kv_cache_file=str(kv_cache_file(ipc, rank)) if size > 1 else None)
+    # Followers' caches are files rank 0 maps (in the IPC dir: /dev/shm where possible); rank 0's
+    # own cache is anonymous memory (huge pages).
+    econf = engine_config(cfg, kv_cache_file=str(kv_cache_file(ipc, rank)) if rank > 0 else None)
     engine = LLMEngine(econf, tp=tp) if tp is not None else LLMEngine(econf)
     if rank > 0:  # a follower holds only its model shard and KV cache
         return engine, None, {}
@@ -87,7 +89,8 @@ def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
 
 
 def rank_shards(engine, info: dict, ipc: Path, size: int):
-    """Rank 0's view of every rank's KV cache: its own, plus the followers' shared-memory files."""
+    """Rank 0's view of every rank's KV cache: its own, plus the followers' shared-memory files
+    (unlinked once mapped: the mappings keep the memory)."""
     import torch
 
     from executor.kv_role import RankShards
@@ -100,8 +103,9 @@ def rank_shards(engine, info: dict, ipc: Path, size: int):
         numel = 1
         for d in shape:
             numel *= d
-        caches.append(torch.from_file(str(kv_cache_file(ipc, r)), shared=True, size=numel,
-                                      dtype=engine.kv_cache.dtype).view(shape))
+        path = kv_cache_file(ipc, r)
+        caches.append(torch.from_file(str(path), shared=True, size=numel, dtype=engine.kv_cache.dtype).view(shape))
+        path.unlink()  # both ranks hold it mapped now; nothing is left behind if the server is killed
     return RankShards(caches, layouts)
 
 

@@ -2,11 +2,14 @@
 
 Protocol (one connection per pull, gen side speaks first; control frames as in ``wire``):
 
-1. gen → ctx ``{"op": "pull", "ctx_request_id", "layout", "num_blocks"}``
+1. gen → ctx ``{"op": "pull", "ctx_request_id", "layout", "num_blocks", "release": bool}``
 2. ctx checks the lease and the layout pairing, answers ``{"ok": true, "bytes": N}`` followed by
    N raw bytes (``num_blocks`` block-major blocks in token order), or ``{"ok": false, "error"}``.
-3. gen → ctx ``{"op": "release", "ctx_request_id"}`` once the bytes landed; ctx frees the lease and
-   answers ``{"ok": true}``. A gen side that dies before step 3 leaves the lease to its timer.
+   With ``"release": true`` it releases the lease once the last byte left its cache (into the
+   kernel's socket buffer), still pinned, so no timer or cancel can free it mid-copy.
+3. Pieces of one lease (``"release": false``): gen → ctx ``{"op": "release", "ctx_request_id"}``
+   after the last; ctx frees the lease and answers ``{"ok": true, "released": bool}``. A lease
+   whose puller dies is left to its timer.
 
 Blocking sockets in threads, no staging copies: the ctx side ``sendall``s each run of consecutive
 source blocks straight from its cache, the gen side ``recv_into``s each run of consecutive
@@ -112,12 +115,12 @@ class TcpKVServer:
             remote = KVLayout.model_validate(msg.get("layout"))
             check_pairing(remote, self.layout, "gen", "ctx")
             lease = self.leases.begin_pull(rid)
-        except (LeaseError, KVLayoutMismatch, ValueError) as err:
+        except (LeaseError, KVLayoutMismatch, ValueError, TypeError) as err:
             send_msg(sock, {"ok": False, "error": str(err)})
             return
         try:
-            num_blocks = int(msg.get("num_blocks", 0))
-            if not 0 < num_blocks <= len(lease.block_ids):
+            num_blocks = msg.get("num_blocks", 0)
+            if not isinstance(num_blocks, int) or not 0 < num_blocks <= len(lease.block_ids):
                 send_msg(sock, {"ok": False, "error": f"asked for {num_blocks} blocks; lease {rid} holds {len(lease.block_ids)}"})
                 return
             bpb = bytes_per_block(self.layout)
@@ -125,6 +128,8 @@ class TcpKVServer:
             t0 = time.perf_counter()
             for start, count in to_runs(lease.block_ids[:num_blocks]):  # pinned: the blocks stay ours
                 sock.sendall(_byte_view(self.kv_cache[start:start + count].contiguous()))
+            if msg.get("release") is True:
+                self.leases.release(rid)  # still pinned: applied by end_pull below
             self.on_sent(num_blocks * bpb, time.perf_counter() - t0)
         finally:
             self.leases.end_pull(rid)
@@ -144,11 +149,12 @@ class TcpKVClient:
 
     def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
              kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True) -> int:
-        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``,
-        then (``release``) tell the ctx side to release the lease. Blocking; call from a worker thread.
+        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``.
 
-        A release that finds the lease already gone fails the pull: the blocks may have been reused
-        between the pieces of a multi-piece (tensor-parallel) pull.
+        With ``release`` the ctx side releases the lease once it sent the bytes; without, call
+        :meth:`release` after the last piece (it fails if the lease vanished between pieces: the
+        blocks may have been reused). The whole pull is bounded by ``timeout_s``. Blocking; call
+        from a worker thread.
 
         Returns:
             bytes received.
@@ -162,8 +168,8 @@ class TcpKVClient:
         try:
             with socket.create_connection((host, port), timeout=timeout_s) as sock:
                 sock.settimeout(timeout_s)
-                send_msg(sock, {"op": "pull", "ctx_request_id": ctx_request_id,
-                                "layout": self.layout.model_dump(), "num_blocks": len(dst_block_ids)})
+                send_msg(sock, {"op": "pull", "ctx_request_id": ctx_request_id, "layout": self.layout.model_dump(),
+                                "num_blocks": len(dst_block_ids), "release": release})
                 answer = recv_msg(sock)
                 if not answer.get("ok"):
                     raise KVTransferError(f"ctx KV server {endpoint} refused the pull: {answer.get('error')}")
@@ -171,11 +177,7 @@ class TcpKVClient:
                 expected = len(dst_block_ids) * kv_cache[0].numel() * kv_cache.element_size()
                 if nbytes != expected:
                     raise KVTransferError(f"ctx KV server {endpoint} sends {nbytes} bytes; {expected} expected")
-                self._receive(sock, kv_cache, dst_block_ids)
-                if time.monotonic() > deadline:
-                    raise KVTransferError(f"KV pull from {endpoint} took longer than {timeout_s:.1f} s")
-                if release:
-                    self._release_on(sock, endpoint, ctx_request_id)
+                self._receive(sock, kv_cache, dst_block_ids, deadline)
                 return nbytes
         except socket.timeout:
             raise KVTransferError(f"KV pull from {endpoint} timed out after {timeout_s:.1f} s") from None
@@ -183,13 +185,13 @@ class TcpKVClient:
             raise KVTransferError(f"KV pull from {endpoint} failed: {err}") from None
 
     @staticmethod
-    def _receive(sock: socket.socket, kv_cache: torch.Tensor, dst_block_ids: list[int]) -> None:
+    def _receive(sock: socket.socket, kv_cache: torch.Tensor, dst_block_ids: list[int], deadline: float) -> None:
         """Read the pulled blocks in order, each run of consecutive ids straight into the cache
         (through a staging tensor only where the cache slice is not contiguous)."""
         for start, count in to_runs(dst_block_ids):
             blocks = kv_cache[start:start + count]
             target = blocks if blocks.is_contiguous() else torch.empty_like(blocks, memory_format=torch.contiguous_format)
-            recv_exact_into(sock, _byte_view(target))
+            recv_exact_into(sock, _byte_view(target), deadline)
             if target is not blocks:
                 blocks.copy_(target)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 
 MAX_HEADER_BYTES = 1 << 20
 
@@ -50,10 +51,20 @@ def send_msg(sock: socket.socket, msg: dict) -> None:
     sock.sendall(pack_msg(msg))
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``. Raises :class:`KVTransferError` if the peer closes early."""
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``, by ``deadline`` (``time.monotonic``) when given.
+
+    Raises:
+        KVTransferError: the peer closed early.
+        socket.timeout: the socket's timeout or ``deadline`` passed.
+    """
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"deadline passed after {got} of {len(view)} bytes")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise KVTransferError(f"peer closed the connection after {got} of {len(view)} bytes")

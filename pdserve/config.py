@@ -76,7 +76,8 @@ class KVTransferSettings(StrictModel):
     """How KV blocks move from a ctx server to a gen server."""
 
     backend: Literal["auto", "ucx", "tcp"] = Field(
-        "auto", description="transport: 'ucx' (ucxx, zero-copy between processes on one host), 'tcp' "
+        "auto", description="transport: 'ucx' (ucxx for control and cross-host bytes; same-host bytes read "
+        "with process_vm_readv straight into the gen cache), 'tcp' "
         "(sockets, always available), or 'auto' = ucx where ucxx imports, else tcp (the server logs which)")
     lease_ms: int = Field(30_000, ge=1, description="a parked request's blocks are freed after this long unpulled")
     timeout_ms: int = Field(10_000, ge=1, description="a gen-side pull fails after this long")

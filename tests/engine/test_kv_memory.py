@@ -64,3 +64,25 @@ def test_engine_cache_follows_its_config(tiny_engine_factory):
     off = tiny_engine_factory(num_kv_blocks=8, kv_cache_huge_pages=False)
     assert "hg" in _smaps_entry(on.kv_cache.data_ptr())["VmFlags"].split()
     assert "hg" not in _smaps_entry(off.kv_cache.data_ptr()).get("VmFlags", "").split()
+
+
+def test_cache_is_committed_at_allocation():
+    """A cache too big for the host must fail at start, not under load: every page is backed now."""
+    cache = allocate_kv_cache((16, 1, 2, 16, 8, 64), torch.float16)  # 4 MiB, never written here
+    rss_kib = int(_smaps_entry(cache.data_ptr())["Rss"].split()[0])
+    assert rss_kib * 1024 >= cache.numel() * cache.element_size()
+
+
+def test_kernel_without_thp_falls_back_to_small_pages(monkeypatch, caplog):
+    """madvise(MADV_HUGEPAGE) fails with EINVAL on kernels built without THP: warn and go on."""
+    import mmap
+
+    from engine import kv_memory
+
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)  # an advice every kernel refuses
+    with caplog.at_level("WARNING", logger=kv_memory.__name__):
+        cache = allocate_kv_cache(SHAPE, torch.float32)
+    assert "4 KiB pages" in caplog.text
+    assert cache.abs().sum() == 0 and "hg" not in _smaps_entry(cache.data_ptr())["VmFlags"].split()
+    cache.fill_(2)
+    assert cache.mean().item() == 2

@@ -1,0 +1,149 @@
+"""UCX backend under faults: a ctx that dies mid-copy, a gen side that stalls past its deadline,
+a client stopped under running pulls. Both byte paths: same-host reads and UCX messages."""
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer.factory import make_kv_client
+from kv_transfer.ucx_backend import GRACE_S
+from kv_transfer.wire import KVTransferError
+
+from .conftest import HAVE_UCXX, CtxSide, cache, layout
+
+pytestmark = pytest.mark.skipif(not HAVE_UCXX, reason="ucxx is not installed (pip install ucxx-cu12): UCX backend untested")
+
+PATHS = [pytest.param(True, id="same-host-read"), pytest.param(False, id="ucx-messages")]
+
+
+def big_layout():
+    """1 MiB blocks: UCX sends them by rendezvous, so no byte moves before the gen side asks."""
+    return layout(num_layers=64, num_kv_heads=8, head_dim=64)
+
+
+def big_cache(num_blocks: int = 8) -> torch.Tensor:
+    lay = big_layout()
+    return torch.zeros(num_blocks, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+
+
+def _serve(to_parent) -> None:
+    """Child ctx process: one lease, endpoint and pid published, then serve until killed."""
+    side = CtxSide("ucx", torch.randn_like(big_cache()), big_layout())
+    side.leases.park("r", [1, 2, 3], 12, ttl_s=60)
+    to_parent.put((side.server.endpoint, os.getpid()))
+    time.sleep(120)
+
+
+def _gen_pulls_while_ctx_dies(same_host_reads: bool, to_parent) -> None:
+    """Child gen process: kill the ctx after its answer arrived, right before the bytes move."""
+    from kv_transfer import cma, ucx_client
+
+    spawn = mp.get_context("spawn")
+    q = spawn.Queue()
+    ctx = spawn.Process(target=_serve, args=(q,), daemon=True)
+    ctx.start()
+    endpoint, pid = q.get(timeout=60)
+
+    def kill_ctx():
+        os.kill(pid, signal.SIGKILL)
+        ctx.join(10)
+
+    if same_host_reads:
+        real = cma.read_remote
+        cma.read_remote = lambda *a, **kw: (kill_ctx(), real(*a, **kw))[1]
+    else:
+        real = ucx_client.UcxKVClient._receive
+        ucx_client.UcxKVClient._receive = lambda self, *a, **kw: (kill_ctx(), real(self, *a, **kw))[1]
+    client = make_kv_client("ucx", big_layout(), same_host_reads=same_host_reads)
+    t0 = time.monotonic()
+    try:
+        client.pull(endpoint, "r", big_layout(), big_cache(), [0, 1, 2], timeout_s=3.0)
+        to_parent.put(("succeeded", time.monotonic() - t0))
+    except KVTransferError as err:
+        to_parent.put((str(err), time.monotonic() - t0))
+    finally:
+        client.stop()
+
+
+@pytest.mark.parametrize("same_host_reads", PATHS)
+def test_ctx_killed_mid_copy_fails_the_pull_not_the_gen_process(same_host_reads):
+    """UCX's own cma would abort the reading process here (error handling off); ours must not."""
+    spawn = mp.get_context("spawn")
+    q = spawn.Queue()
+    gen = spawn.Process(target=_gen_pulls_while_ctx_dies, args=(same_host_reads, q))
+    gen.start()
+    gen.join(60)
+    assert gen.exitcode == 0, f"the gen process died (exit code {gen.exitcode})"
+    message, seconds = q.get(timeout=5)
+    assert message != "succeeded" and ("failed" in message or "timed out" in message), message
+    if same_host_reads:
+        assert "ctx process is gone" in message
+    assert seconds < 3.5
+
+
+@pytest.mark.parametrize("same_host_reads", PATHS)
+def test_an_unconfirmed_pull_keeps_its_lease_pinned_past_the_gen_deadline(same_host_reads, monkeypatch):
+    """The gen side stalls between the answer and the bytes until its deadline passed, and never
+    tells the ctx side (as if it hung). Its pull must fail, not read late; the lease (expired
+    meanwhile) stays pinned until the gen side's budget plus GRACE_S, and only then is freed."""
+    from kv_transfer import ucx_client
+
+    big, shape = big_layout(), big_cache(4).shape
+    side = CtxSide("ucx", torch.randn(shape), big, timeout_s=0.5)
+    try:
+        side.leases.park("r", [1, 2, 3], 12, ttl_s=0.2)
+        stage = "_read_direct" if same_host_reads else "_receive"
+        real = getattr(ucx_client.UcxKVClient, stage)
+
+        def stalled(self, *a, **kw):
+            time.sleep(0.8)
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(ucx_client.UcxKVClient, stage, stalled)
+        monkeypatch.setattr(ucx_client.UcxKVClient, "_send_done", lambda self, *a, **kw: None)
+        client = make_kv_client("ucx", big, same_host_reads=same_host_reads)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(KVTransferError, match="deadline passed"):
+                client.pull(side.server.endpoint, "r", big, torch.zeros(shape), [0, 1, 2], timeout_s=0.5)
+            assert side.freed == [], "a lease was freed while its pull could still read it"
+            deadline = time.monotonic() + 0.5 + GRACE_S + 2
+            while not side.freed and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert side.freed == [("r", "expired")]
+            assert time.monotonic() - t0 >= 0.5 + GRACE_S - 0.1
+        finally:
+            client.stop()
+    finally:
+        side.stop()
+
+
+def test_stopping_a_client_under_running_pulls_fails_them_cleanly(ctx_side):
+    """stop() while threads pull: every pull ends with an error or its bytes; nothing crashes."""
+    for i in range(40):
+        ctx_side.leases.park(f"r{i}", [i % 16], 4, ttl_s=30)
+    client = make_kv_client("ucx", layout())
+    results: list[str] = []
+
+    def puller(k: int) -> None:
+        for i in range(k, 40, 4):
+            try:
+                client.pull(ctx_side.server.endpoint, f"r{i}", layout(), cache(), [0], timeout_s=2)
+                results.append("ok")
+            except KVTransferError:
+                results.append("error")
+
+    threads = [threading.Thread(target=puller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    client.stop()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert len(results) == 40 and "error" in results
