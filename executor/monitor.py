@@ -14,20 +14,9 @@ import select
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pdserve.procfs import proc_start_time  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-
-def proc_start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/PID/stat`` (start time in clock ticks), None if the process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[19])  # fields[0] is field 3 (state), so field 22 is fields[19]
 
 
 @dataclass(frozen=True)

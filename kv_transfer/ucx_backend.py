@@ -24,7 +24,9 @@ tag base ``B`` per pull (its low 24 bits are zero):
 2. ctx checks the layout pairing and pins the lease; answers on ``B``: ``{"ok": true, "bytes": N,
    "src_runs", "tag": B}`` plus, for a same-host read, ``"pid"`` and ``"src_addrs"`` (one
    ``[address, bytes]`` per segment); or ``{"ok": false, "error", "tag": B}``. Every reply echoes
-   ``B``; the gen side rejects a reply naming another base.
+   ``B``; the gen side rejects a reply naming another base. ``"pid_start"`` (the ctx process's start
+   time, /proc/PID/stat field 22) lets the gen side check, before and after reading, that the pid
+   still names the ctx process and not a recycled one.
 3. Both sides cut the block pairing into segments contiguous on both sides
    (:func:`kv_transfer.runs.plan_segments`). *Same host:* the gen side reads each segment, then
    sends ``{"op": "done", "ctx_request_id", "tag": B, "release": bool}``; the ctx side unpins on
@@ -63,6 +65,7 @@ from kv_transfer.runs import Segment, from_runs, plan_segments, to_runs
 from kv_transfer.ucx_worker import (FRAME_BYTES, Array, Conn, EndpointCache, EndpointFailed, Worker, as_array,
                                     frame, show_key, ucx, wait_all)
 from kv_transfer.wire import KVTransferError, unpack_msg
+from pdserve.procfs import proc_start_time
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ CTRL_TAG = 0xC7A1_0000_0000_0001  # ctx workers receive requests here; gen tag b
 _SEQ_BITS = 24
 ACK = (1 << _SEQ_BITS) - 1  # offset of the release ack; segments use offsets 1 .. ACK - 1
 GRACE_S = 2.0  # a pin outlives the gen side's deadline by this much (one chunk's copy, clock skew)
-_DONE_SEND_S = 1.0  # how long the gen side waits for its "done" to leave
+MAX_BUDGET_S = 300.0  # the longest a gen side may take to copy one pull
 
 
 def format_endpoint(host: str, port: int, address: bytes) -> str:
@@ -160,6 +163,7 @@ class UcxKVServer:
         self.on_sent = on_sent or (lambda nbytes, seconds: None)
         self._bytes_per_block = bytes_per_block(layout)
         self._host_id = cma.host_identity()
+        self._identity = (os.getpid(), proc_start_time(os.getpid()))  # a recycled pid cannot pass for us
         self._worker = Worker(progress_thread=False)  # progressed by the control loop
         self._peers = EndpointCache(self._worker, capacity=256)
         self._holds = _PinHolds(leases)
@@ -224,8 +228,11 @@ class UcxKVServer:
 
     def _deadlines(self, msg: dict, received: float) -> tuple[float, float]:
         """(when this side stops waiting, when a pin may end): our timeout, cut to the gen side's
-        budget, counted from arrival; a pin outlives the gen side's whole budget by ``GRACE_S``."""
+        budget, counted from arrival; a pin outlives the gen side's budget by ``GRACE_S``. The budget
+        is capped at ``MAX_BUDGET_S`` (the answer tells the gen side what is left of it), so no pull
+        pins a lease for longer than that plus the grace."""
         budget_s = msg["budget_ms"] / 1000 if isinstance(msg.get("budget_ms"), int) else self.timeout_s
+        budget_s = min(budget_s, MAX_BUDGET_S)
         return received + min(self.timeout_s, budget_s), received + budget_s + GRACE_S
 
     def _handle(self, msg: dict, received: float) -> None:
@@ -275,56 +282,46 @@ class UcxKVServer:
         except (LeaseError, KVLayoutMismatch, ValueError, TypeError) as err:
             self._send_control(conn, base, {"ok": False, "error": str(err)}, deadline)
             return
-        unpin = True
-        try:
-            num_blocks = len(dst_ids)
-            if not 0 < num_blocks <= len(lease.block_ids):
-                error = f"asked for {num_blocks} blocks; lease {rid} holds {len(lease.block_ids)}"
-                self._send_control(conn, base, {"ok": False, "error": error}, deadline)
-                return
-            src_ids = lease.block_ids[:num_blocks]
-            segments = plan_segments(src_ids, dst_ids)
-            answer = {"ok": True, "bytes": num_blocks * self._bytes_per_block, "src_runs": to_runs(src_ids)}
-            # From here on the gen side may be reading: the pin ends with its confirmation or a hold.
-            unpin = False
-            if self._host_id and msg.get("host") == self._host_id:
-                self._answer_direct(conn, base, rid, answer, segments, deadline, hold_until)
-            else:
-                self._send_blocks(conn, base, rid, answer, segments, deadline, hold_until, msg.get("release") is True)
-        finally:
-            if unpin:
-                self.leases.end_pull(rid)
+        num_blocks = len(dst_ids)
+        if not 0 < num_blocks <= len(lease.block_ids):
+            self.leases.end_pull(rid)
+            error = f"asked for {num_blocks} blocks; lease {rid} holds {len(lease.block_ids)}"
+            self._send_control(conn, base, {"ok": False, "error": error}, deadline)
+            return
+        src_ids = lease.block_ids[:num_blocks]
+        answer = {"ok": True, "bytes": num_blocks * self._bytes_per_block, "src_runs": to_runs(src_ids),
+                  "budget_ms": int((hold_until - GRACE_S - time.monotonic()) * 1000)}
+        # From here on the gen side may be reading: the pin ends with the copy's confirmation (or
+        # completed sends), else at hold_until. Registered before anything can fail or be answered.
+        self._holds.hold(rid, base, hold_until, answer["bytes"])
+        segments = plan_segments(src_ids, dst_ids)
+        if self._host_id and msg.get("host") == self._host_id:
+            self._answer_direct(conn, base, answer, segments, deadline)
+        else:
+            self._send_blocks(conn, base, rid, answer, segments, deadline, msg.get("release") is True)
 
-    def _answer_direct(self, conn: Conn, base: int, rid: str, answer: dict, segments: list[Segment],
-                       deadline: float, hold_until: float) -> None:
+    def _answer_direct(self, conn: Conn, base: int, answer: dict, segments: list[Segment], deadline: float) -> None:
         """Same host: tell the gen side where the blocks are; it reads them and confirms (``done``)."""
         row = self._bytes_per_block
-        answer["pid"] = os.getpid()
+        answer["pid"], answer["pid_start"] = self._identity
         answer["src_addrs"] = [[self.kv_cache[s.src_start].data_ptr(), s.count * row] for s in segments]
-        self._holds.hold(rid, base, hold_until, answer["bytes"])  # before the answer can arrive
         self._send_control(conn, base, answer, deadline)
 
     def _send_blocks(self, conn: Conn, base: int, rid: str, answer: dict, segments: list[Segment],
-                     deadline: float, hold_until: float, release: bool) -> None:
-        """Between hosts: the answer and the segments back to back, then unpin (or hold, on failure)."""
+                     deadline: float, release: bool) -> None:
+        """Between hosts: the answer and the segments back to back; unpin once the sends completed
+        (a failure leaves the hold: the gen side may still read posted sends until its deadline)."""
         answer["tag"] = base
-        t0 = time.perf_counter()
-        try:
-            buffers = [frame(answer)]
-            requests = [self._worker.send(conn, buffers[0], base)]
-            for i, seg in enumerate(segments):
-                blocks = self.kv_cache[seg.src_start:seg.src_start + seg.count]
-                buffers.append(as_array(blocks if blocks.is_contiguous() else blocks.contiguous()))
-                requests.append(self._worker.send(conn, buffers[-1], base + 1 + i))
-            wait_all(self._worker, requests, deadline, f"sending {answer['bytes']} bytes of {rid}", self._stopping)
-        except EndpointFailed:
-            # The gen side may still read posted sends until its deadline: keep the pin past it.
-            self._holds.hold(rid, base, hold_until)
-            raise
-        if release:
-            self.leases.release(rid)  # still pinned: applied by end_pull
-        self.leases.end_pull(rid)
-        self.on_sent(answer["bytes"], time.perf_counter() - t0)
+        buffers = [frame(answer)]
+        requests = [self._worker.send(conn, buffers[0], base)]
+        for i, seg in enumerate(segments):
+            blocks = self.kv_cache[seg.src_start:seg.src_start + seg.count]
+            buffers.append(as_array(blocks if blocks.is_contiguous() else blocks.contiguous()))
+            requests.append(self._worker.send(conn, buffers[-1], base + 1 + i))
+        wait_all(self._worker, requests, deadline, f"sending {answer['bytes']} bytes of {rid}", self._stopping)
+        finished = self._holds.done(rid, base, release)
+        if finished is not None:
+            self.on_sent(finished[1], finished[0])
 
 
 def check_echo(answer: dict, base: int, endpoint: str) -> None:

@@ -23,6 +23,7 @@ from kv_transfer.ucx_backend import ACK, CTRL_TAG, _SEQ_BITS, check_echo, parse_
 from kv_transfer.ucx_worker import (FRAME_BYTES, Array, Conn, EndpointCache, EndpointFailed, Worker, as_array,
                                     frame, wait_all)
 from kv_transfer.wire import KVTransferError, unpack_msg
+from pdserve.procfs import proc_start_time
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,8 @@ class UcxKVClient:
             raise KVTransferError(f"ctx KV server {endpoint} sends {len(src_ids)} blocks / {nbytes} bytes; "
                                   f"{len(dst_ids)} blocks / {len(dst_ids) * row_bytes} bytes expected")
         segments = plan_segments(src_ids, dst_ids)
+        if isinstance(answer.get("budget_ms"), int):  # the ctx side keeps its pin this long: read before
+            deadline = min(deadline, time.monotonic() + answer["budget_ms"] / 1000)
         if "src_addrs" in answer:
             try:
                 self._read_direct(answer, kv_cache, segments, deadline, rid)
@@ -203,10 +206,11 @@ class UcxKVClient:
                      rid: str) -> None:
         """Same host: read each segment from the ctx process into the cache (staged if not contiguous)."""
         try:
-            pid = int(answer["pid"])
+            pid, pid_start = int(answer["pid"]), answer.get("pid_start")
             addrs = [(int(a), int(n)) for a, n in answer["src_addrs"]]
         except (KeyError, ValueError, TypeError) as err:
             raise KVTransferError(f"malformed same-host pull answer for {rid}: {err}") from None
+        self._check_ctx_process(pid, pid_start, rid)
         if len(addrs) != len(segments):
             raise KVTransferError(f"same-host pull answer for {rid} names {len(addrs)} segments, not {len(segments)}")
         for seg, (addr, nbytes) in zip(segments, addrs):
@@ -226,6 +230,13 @@ class UcxKVClient:
                 raise KVTransferError(f"KV pull of {rid} failed mid-copy{gone}: {err}") from None
             if target is not blocks:
                 blocks.copy_(target)
+        self._check_ctx_process(pid, pid_start, rid)  # it lived through the copy: the bytes are its
+
+    @staticmethod
+    def _check_ctx_process(pid: int, pid_start: object, rid: str) -> None:
+        """The pid still names the ctx process that answered (not a recycled pid)."""
+        if pid_start is not None and proc_start_time(pid) != pid_start:
+            raise KVTransferError(f"KV pull of {rid} failed: the ctx process (pid {pid}) is gone")
 
     def _send_done(self, conn: Conn, rid: str, base: int, release: bool) -> None:
         """Tell the ctx side the read is over (it unpins, and releases if asked). Best effort: if the

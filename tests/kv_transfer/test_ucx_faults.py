@@ -147,3 +147,29 @@ def test_stopping_a_client_under_running_pulls_fails_them_cleanly(ctx_side):
         t.join(10)
     assert not any(t.is_alive() for t in threads)
     assert len(results) == 40 and "error" in results
+
+
+def test_a_recycled_pid_is_never_read():
+    """The answer names the ctx process by pid and start time; a pid that now names another
+    process (here: a start time that does not match) is refused before any byte is read, and the
+    lease is unpinned for the next puller."""
+    side = CtxSide("ucx", torch.randn(8, *cache().shape[1:]), layout())
+    client = make_kv_client("ucx", layout())
+    try:
+        pid, start = side.server._identity
+        side.server._identity = (pid, start + 1)
+        side.leases.park("r", [1, 2], 8, ttl_s=30)
+        dst = cache()
+        with pytest.raises(KVTransferError, match=f"the ctx process \\(pid {pid}\\) is gone"):
+            client.pull(side.server.endpoint, "r", layout(), dst, [0, 1], timeout_s=2)
+        assert dst.abs().sum() == 0
+        side.server._identity = (pid, start)
+        client.pull(side.server.endpoint, "r", layout(), dst, [0, 1], timeout_s=2)
+        assert torch.equal(dst[:2], side.server.kv_cache[1:3])
+        deadline = time.monotonic() + 2  # the release travels in the fire-and-forget "done"
+        while not side.freed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert side.freed == [("r", "released")]
+    finally:
+        client.stop()
+        side.stop()
