@@ -52,7 +52,8 @@ class CtxKVRole(WorkerRole):
         for r, (cache, layout) in enumerate(zip(shards.caches, shards.layouts)):
             port = self.port + r if self.port else 0
             self.servers.append(make_kv_server(self.settings.backend, cache, layout, self.leases, self.host, port,
-                                               timeout_s=self.settings.timeout_ms / 1000.0, on_sent=self._on_sent))
+                                               timeout_s=self.settings.timeout_ms / 1000.0, on_sent=self._on_sent,
+                                               same_host_reads=self.settings.same_host_reads))
         self.leases.start()
         for server in self.servers:
             server.start()

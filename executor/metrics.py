@@ -55,6 +55,8 @@ class RoleStatsCollector:
 
     _COUNTERS = {
         "kv_pull_failures": ("pdserve_kv_transfer_pull_failures", "Failed KV pulls"),
+        "kv_same_host_reads": ("pdserve_kv_transfer_same_host_reads",
+                               "KV pulls whose bytes were read straight from a same-host ctx process (ucx)"),
         "leases_expired": ("pdserve_kv_leases_expired", "Parked KV leases freed by their timer"),
         "leases_released": ("pdserve_kv_leases_released", "Parked KV leases released after a pull or a cancel"),
     }

@@ -140,7 +140,7 @@ class GenKVRole(WorkerRole):
         with self._lock:
             client = self._clients.get(key)
             if client is None:
-                client = self._clients[key] = make_kv_client(scheme, layout)
+                client = self._clients[key] = make_kv_client(scheme, layout, self.settings.same_host_reads)
                 client.start()
         return client
 
@@ -157,7 +157,9 @@ class GenKVRole(WorkerRole):
         return False
 
     def stats(self) -> dict:
-        return {"kv_transfer": {"received": self._received.snapshot()}, "kv_pull_failures": self._failures}
+        same_host = sum(getattr(c, "same_host_reads", 0) for c in list(self._clients.values()))
+        return {"kv_transfer": {"received": self._received.snapshot()}, "kv_pull_failures": self._failures,
+                "kv_same_host_reads": same_host}
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -69,10 +69,13 @@ def _ucx_client_cls():
 
 def make_kv_server(backend: str, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
                    host: str, port: int, timeout_s: float,
-                   on_sent: Callable[[int, float], None] | None = None) -> KVServer:
-    """The ctx-side transceiver for ``backend`` (``auto`` is resolved here). Call ``start()`` on it."""
-    cls = _ucx().UcxKVServer if resolve_backend(backend) == "ucx" else TcpKVServer
-    return cls(kv_cache, layout, leases, host, port, timeout_s, on_sent=on_sent)
+                   on_sent: Callable[[int, float], None] | None = None, same_host_reads: bool = True) -> KVServer:
+    """The ctx-side transceiver for ``backend`` (``auto`` is resolved here). Call ``start()`` on it.
+    ``same_host_reads=False``: a ucx server never offers its memory to same-host readers."""
+    if resolve_backend(backend) == "ucx":
+        return _ucx().UcxKVServer(kv_cache, layout, leases, host, port, timeout_s, on_sent=on_sent,
+                                  same_host_reads=same_host_reads)
+    return TcpKVServer(kv_cache, layout, leases, host, port, timeout_s, on_sent=on_sent)
 
 
 def make_kv_client(backend: str, layout: KVLayout, same_host_reads: bool = True) -> KVClient:

@@ -153,16 +153,18 @@ class UcxKVServer:
         host, port: name this server in its endpoint (see the module docstring; nothing is bound).
         timeout_s: longest deadline of one pull on this side (the gen side's budget may be shorter).
         on_sent: ``(bytes, seconds)`` after each served pull.
+        same_host_reads: let same-host gen servers read the cache with ``process_vm_readv``
+            (:func:`kv_transfer.cma.allow_readers` at start); False: bytes always go as UCX messages.
     """
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
                  host: str, port: int, timeout_s: float,
-                 on_sent: Callable[[int, float], None] | None = None) -> None:
+                 on_sent: Callable[[int, float], None] | None = None, same_host_reads: bool = True) -> None:
         self.kv_cache, self.layout, self.leases = kv_cache, layout, leases
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.on_sent = on_sent or (lambda nbytes, seconds: None)
         self._bytes_per_block = bytes_per_block(layout)
-        self._host_id = cma.host_identity()
+        self._host_id = cma.host_identity() if same_host_reads else ""
         self._identity = (os.getpid(), proc_start_time(os.getpid()))  # a recycled pid cannot pass for us
         self._worker = Worker(progress_thread=False)  # progressed by the control loop
         self._peers = EndpointCache(self._worker, capacity=256)
@@ -177,7 +179,8 @@ class UcxKVServer:
         return format_endpoint(self.host, self.port, self._worker.address)
 
     def start(self) -> None:
-        cma.allow_readers()  # same-host gen servers read the cache with process_vm_readv
+        if self._host_id:
+            cma.allow_readers()  # same-host gen servers read the cache with process_vm_readv
         self._thread.start()
         log.info("KV transfer backend: ucx, worker address of %d bytes, peer name %s:%d",
                  len(self._worker.address), self.host, self.port)

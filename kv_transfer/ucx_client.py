@@ -52,6 +52,8 @@ class UcxKVClient:
         self._stopping = threading.Event()
         self._host_id = cma.host_identity() if same_host_reads else ""
         self._no_direct: set[str | bytes] = set()  # peers whose memory the kernel would not let us read
+        self._count_lock = threading.Lock()
+        self.same_host_reads = 0  # pulls whose bytes were read straight from the ctx process
 
     def start(self) -> None:
         """Nothing to start (the worker runs from construction); here for symmetry with the server."""
@@ -179,6 +181,8 @@ class UcxKVClient:
                 self._send_done(conn, rid, base, release=False)  # unpin now rather than at the hold's end
                 raise
             self._send_done(conn, rid, base, release)
+            with self._count_lock:
+                self.same_host_reads += 1
         else:
             self._receive(conn, rid, kv_cache, segments, base, nbytes, deadline)
         return nbytes

@@ -81,6 +81,10 @@ class KVTransferSettings(StrictModel):
         "(sockets, always available), or 'auto' = ucx where ucxx imports, else tcp (the server logs which)")
     lease_ms: int = Field(30_000, ge=1, description="a parked request's blocks are freed after this long unpulled")
     timeout_ms: int = Field(10_000, ge=1, description="a gen-side pull fails after this long")
+    same_host_reads: bool = Field(
+        True, description="ucx: a gen server reads a same-host ctx server's blocks with process_vm_readv "
+        "(the ctx process allows same-user readers with prctl(PR_SET_PTRACER) where Yama restricts ptrace); "
+        "false: every byte travels as UCX messages (over tcp on one host: ~1 GB/s)")
 
 
 class ServerSpec(StrictModel):

@@ -177,6 +177,8 @@ def test_kv_transfer_metrics_on_both_servers(tiny_cluster):
     assert value(gen, 'pdserve_kv_transfer_seconds_bucket{direction="received",le="+Inf"}') >= 1
     backend = httpx.get(tiny_cluster.server_url("gen") + "/server_info", timeout=10).json()["kv_backend"]
     assert f'pdserve_server_info{{kv_backend="{backend}",role="gen"}} 1.0' in gen
+    if backend == "ucx":  # ctx and gen share this host: the bytes were read straight from the ctx process
+        assert value(gen, "pdserve_kv_transfer_same_host_reads_total") >= 1
     # Queue time (arrival in the engine to admission) observed once per request on each side.
     assert value(ctx, 'pdserve_server_request_queue_time_seconds_count{request_type="context_only"}') >= 1
     assert value(gen, 'pdserve_server_request_queue_time_seconds_count{request_type="generation_only"}') >= 1

@@ -1,6 +1,10 @@
 """Tensor parallel servers (MPI ranks) with real processes, on a tiny Llama whose 3 KV heads split
 unevenly over TP=2 (1 + 2, like SmolLM2): TP=2 == TP=1, and every ctx/gen TP pairing
-(1→1, 2→2, 2→1, 1→2) decodes exactly like the colocated path, with the KV moving over UCX."""
+(1→1, 2→2, 2→1, 1→2) decodes exactly like the colocated path, with the KV moving over UCX.
+
+File "a" (ctx TP2, gen TP1) lets same-host servers read each other's caches; file "b" (ctx TP1,
+gen TP2) sets ``same_host_reads: false``, so its servers take or send every byte as UCX messages.
+Across the pairings both byte paths run: 2→1 reads directly, 1→1, 2→2 and 1→2 use messages."""
 
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ def servers(uneven_model, procs, tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("topo")
     urls, names = {}, []
     for tag, ctx_tp, gen_tp in (("a", 2, 1), ("b", 1, 2)):
-        topo = write_topology(tmp / f"{tag}.yaml", str(uneven_model), NAME, kv_transfer={"backend": "ucx"})
+        topo = write_topology(tmp / f"{tag}.yaml", str(uneven_model), NAME,
+                              kv_transfer={"backend": "ucx", "same_host_reads": tag == "a"})
         doc = Cluster(topo, procs).doc
         doc["pools"]["ctx"]["engine"] = {"tp_size": ctx_tp}
         doc["pools"]["gen"]["engine"] = {"tp_size": gen_tp}
@@ -84,3 +89,7 @@ def test_disaggregated_tp_pairings_equal_colocated(servers, ctx_tp, gen_tp):
     for role_tp in (f"ctx{ctx_tp}", f"gen{gen_tp}"):
         info = httpx.get(servers[role_tp] + "/server_info", timeout=10).json()
         assert info["free_blocks"] == info["total_blocks"], role_tp
+    if gen_tp == 2:  # file "b": no same-host reads, every byte came as UCX messages
+        assert httpx.get(servers["gen2"] + "/server_info", timeout=10).json()["kv_same_host_reads"] == 0
+    if (ctx_tp, gen_tp) == (2, 1):  # both from file "a": each ctx shard was read straight from its process
+        assert httpx.get(servers["gen1"] + "/server_info", timeout=10).json()["kv_same_host_reads"] >= 2 * len(PROMPTS)
