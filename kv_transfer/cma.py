@@ -61,12 +61,13 @@ def allow_readers() -> None:
 def read_remote(pid: int, remote_addr: int, local_addr: int, nbytes: int, deadline: float) -> None:
     """Copy ``nbytes`` from ``remote_addr`` in process ``pid`` to ``local_addr`` here.
 
-    Copies in chunks of at most :data:`CHUNK_BYTES` and checks ``deadline`` (``time.monotonic``)
-    before each, so no chunk starts after it.
+    Copies in chunks of at most :data:`CHUNK_BYTES`; every chunk must *finish* by ``deadline``
+    (``time.monotonic``), so a copy that completes counts only if all of it happened before the
+    deadline — the peer guarantees its memory until then (and a while longer), not after.
 
     Raises:
         CMAError: the kernel refused or failed a read (errno set), or it returned no bytes.
-        TimeoutError: ``deadline`` passed before the copy finished.
+        TimeoutError: ``deadline`` passed before the copy finished; the bytes read are not valid.
     """
     libc = _libc()
     done = 0
@@ -82,4 +83,6 @@ def read_remote(pid: int, remote_addr: int, local_addr: int, nbytes: int, deadli
             raise CMAError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
         if got == 0:
             raise CMAError(errno.EIO, f"process_vm_readv from pid {pid} read nothing at byte {done} of {nbytes}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"same-host KV read finished past its deadline at byte {done + got} of {nbytes}")
         done += got

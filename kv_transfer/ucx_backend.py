@@ -29,7 +29,7 @@ tag base ``B`` per pull (its low 24 bits are zero):
    still names the ctx process and not a recycled one.
 3. Both sides cut the block pairing into segments contiguous on both sides
    (:func:`kv_transfer.runs.plan_segments`). *Same host:* the gen side reads each segment, then
-   sends ``{"op": "done", "ctx_request_id", "tag": B, "release": bool}``; the ctx side unpins on
+   sends ``{"op": "done", "ctx_request_id", "tag": B, "reply_to", "release": bool}``; the ctx side unpins on
    it. *Between hosts:* right behind the answer the ctx side sends segment ``i`` with tag ``B+1+i``
    (rendezvous: the send completes once the gen side has the bytes), then unpins.
 4. With ``"release": true`` the ctx side releases the lease itself while still pinned, so no
@@ -48,6 +48,7 @@ freed.
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import os
 import threading
@@ -74,11 +75,31 @@ CTRL_TAG = 0xC7A1_0000_0000_0001  # ctx workers receive requests here; gen tag b
 _SEQ_BITS = 24
 ACK = (1 << _SEQ_BITS) - 1  # offset of the release ack; segments use offsets 1 .. ACK - 1
 GRACE_S = 2.0  # a pin outlives the gen side's deadline by this much (one chunk's copy, clock skew)
-MAX_BUDGET_S = 300.0  # the longest a gen side may take to copy one pull
+
+
+_SEAL_BYTES = 8
+
+
+def seal_address(address: bytes) -> str:
+    """A UCX worker address for the wire: base64url of the address and an 8-byte BLAKE2b checksum.
+    UCX asserts (aborting the process) on a malformed address, so nothing unchecked reaches it."""
+    return base64.urlsafe_b64encode(address + hashlib.blake2b(address, digest_size=_SEAL_BYTES).digest()).decode()
+
+
+def unseal_address(text: str) -> bytes:
+    """Inverse of :func:`seal_address`. Raises :class:`KVTransferError` for anything it did not make."""
+    try:
+        raw = base64.urlsafe_b64decode(text.encode())
+    except ValueError:
+        raw = b""
+    address, seal = raw[:-_SEAL_BYTES], raw[-_SEAL_BYTES:]
+    if not address or hashlib.blake2b(address, digest_size=_SEAL_BYTES).digest() != seal:
+        raise KVTransferError("malformed UCX worker address (checksum mismatch)")
+    return address
 
 
 def format_endpoint(host: str, port: int, address: bytes) -> str:
-    return f"{SCHEME}{host}:{port}/{base64.urlsafe_b64encode(address).decode()}"
+    return f"{SCHEME}{host}:{port}/{seal_address(address)}"
 
 
 def short_endpoint(endpoint: str) -> str:
@@ -93,33 +114,39 @@ def parse_endpoint(endpoint: str) -> tuple[str, bytes]:
     name, _, encoded = endpoint[len(SCHEME):].partition("/")
     host, _, port = name.rpartition(":")
     try:
-        address = base64.urlsafe_b64decode(encoded.encode())
-    except ValueError:
-        address = b""
-    if not host or not port.isdigit() or not address:
+        address = unseal_address(encoded)
+    except KVTransferError as err:
+        raise KVTransferError(f"malformed KV endpoint {short_endpoint(endpoint)!r}: {err}") from None
+    if not host or not port.isdigit():
         raise KVTransferError(f"malformed KV endpoint {short_endpoint(endpoint)!r}")
     return (name if int(port) else encoded), address
 
 
 class _PinHolds:
     """Leases pinned past the end of their pull: until the gen side says ``done`` or the hold
-    deadline passes (then unpinned by :meth:`reap`). Keys are ``(ctx_request_id, tag base)``."""
+    deadline passes (then unpinned by :meth:`reap`). Keys are ``(ctx_request_id, tag base, reply_to)``:
+    one pull of one gen client."""
 
     def __init__(self, leases: LeaseTable) -> None:
         self._leases = leases
-        self._holds: dict[tuple[str, int], tuple[float, float, int]] = {}  # → (until, t0, bytes)
+        self._holds: dict[tuple[str, int, str], tuple[float, float, int]] = {}  # → (until, t0, bytes)
         self._lock = threading.Lock()
 
-    def hold(self, rid: str, base: int, until: float, nbytes: int = 0) -> None:
+    def hold(self, key: tuple[str, int, str], until: float, nbytes: int = 0) -> bool:
+        """Register a pin's hold; False if one with this key exists (a duplicated pull message)."""
         with self._lock:
-            self._holds[(rid, base)] = (until, time.perf_counter(), nbytes)
+            if key in self._holds:
+                return False
+            self._holds[key] = (until, time.perf_counter(), nbytes)
+            return True
 
-    def done(self, rid: str, base: int, release: bool) -> tuple[float, int] | None:
+    def done(self, key: tuple[str, int, str], release: bool) -> tuple[float, int] | None:
         """Unpin (and release) a held lease; its (seconds held, bytes), or None if it was not held."""
         with self._lock:
-            held = self._holds.pop((rid, base), None)
+            held = self._holds.pop(key, None)
         if held is None:
             return None
+        rid = key[0]
         if release:
             self._leases.release(rid)  # still pinned: applied by end_pull
         self._leases.end_pull(rid)
@@ -131,7 +158,7 @@ class _PinHolds:
             expired = [key for key, (until, _, _) in self._holds.items() if until <= now]
             for key in expired:
                 del self._holds[key]
-        for rid, _ in expired:
+        for rid, _, _ in expired:
             log.warning("KV pull of %s was never confirmed by the gen side; unpinning its lease", rid)
             self._leases.end_pull(rid)
 
@@ -139,7 +166,7 @@ class _PinHolds:
         with self._lock:
             keys = list(self._holds)
             self._holds.clear()
-        for rid, _ in keys:
+        for rid, _, _ in keys:
             self._leases.end_pull(rid)
 
 
@@ -214,37 +241,46 @@ class UcxKVServer:
             except (ucx.UCXError, KVTransferError) as err:
                 log.warning("dropping a bad KV control message: %s", err)
                 continue
-            if msg.get("op") == "done":
-                self._on_done(msg)
-            else:
-                self._pool.submit(self._handle, msg, received)
+            try:
+                if msg.get("op") == "done":
+                    self._on_done(msg)
+                else:
+                    self._pool.submit(self._guarded_handle, msg, received)
+            except Exception:  # noqa: BLE001 - one bad message must not end KV serving
+                log.exception("KV control message %r could not be handled", str(msg)[:200])
+
+    def _guarded_handle(self, msg: dict, received: float) -> None:
+        try:
+            self._handle(msg, received)
+        except Exception:  # noqa: BLE001 - the pool would swallow it silently; its pin ends with its hold
+            log.exception("KV request %s failed", msg.get("ctx_request_id"))
 
     def _on_done(self, msg: dict) -> None:
         try:
-            rid, base = str(msg["ctx_request_id"]), int(msg["tag"])
+            key = _pull_key(msg)
         except (KeyError, ValueError, TypeError) as err:
             log.warning("dropping a malformed KV done message: %s", err)
             return
-        finished = self._holds.done(rid, base, msg.get("release") is True)
+        finished = self._holds.done(key, msg.get("release") is True)
         if finished is not None:
             self.on_sent(finished[1], finished[0])
 
     def _deadlines(self, msg: dict, received: float) -> tuple[float, float]:
         """(when this side stops waiting, when a pin may end): our timeout, cut to the gen side's
-        budget, counted from arrival; a pin outlives the gen side's budget by ``GRACE_S``. The budget
-        is capped at ``MAX_BUDGET_S`` (the answer tells the gen side what is left of it), so no pull
-        pins a lease for longer than that plus the grace."""
+        budget, counted from arrival; a pin outlives that by ``GRACE_S``. The answer tells the gen
+        side what is left (``budget_ms``), and it reads no later, so no pull pins a lease for longer
+        than this server's timeout plus the grace, whatever budget the gen side asked for."""
         budget_s = msg["budget_ms"] / 1000 if isinstance(msg.get("budget_ms"), int) else self.timeout_s
-        budget_s = min(budget_s, MAX_BUDGET_S)
-        return received + min(self.timeout_s, budget_s), received + budget_s + GRACE_S
+        deadline = received + min(self.timeout_s, budget_s)
+        return deadline, deadline + GRACE_S
 
     def _handle(self, msg: dict, received: float) -> None:
         try:
-            reply_to = base64.urlsafe_b64decode(str(msg["reply_to"]).encode())
+            reply_to = unseal_address(str(msg["reply_to"]))
             base = int(msg["tag"])
             if base & ACK or not 0 < base < 1 << 63:
                 raise ValueError(f"bad tag base {base:#x}")
-        except (KeyError, ValueError, TypeError) as err:
+        except (KeyError, ValueError, TypeError, KVTransferError) as err:
             log.warning("dropping a KV request without a usable reply address: %s", err)
             return
         deadline, hold_until = self._deadlines(msg, received)
@@ -296,12 +332,17 @@ class UcxKVServer:
                   "budget_ms": int((hold_until - GRACE_S - time.monotonic()) * 1000)}
         # From here on the gen side may be reading: the pin ends with the copy's confirmation (or
         # completed sends), else at hold_until. Registered before anything can fail or be answered.
-        self._holds.hold(rid, base, hold_until, answer["bytes"])
+        key = _pull_key(msg)
+        if not self._holds.hold(key, hold_until, answer["bytes"]):
+            self.leases.end_pull(rid)
+            error = f"a pull of {rid} with tag base {base:#x} from this gen client is in progress already"
+            self._send_control(conn, base, {"ok": False, "error": error}, deadline)
+            return
         segments = plan_segments(src_ids, dst_ids)
         if self._host_id and msg.get("host") == self._host_id:
             self._answer_direct(conn, base, answer, segments, deadline)
         else:
-            self._send_blocks(conn, base, rid, answer, segments, deadline, msg.get("release") is True)
+            self._send_blocks(conn, key, answer, segments, deadline, msg.get("release") is True)
 
     def _answer_direct(self, conn: Conn, base: int, answer: dict, segments: list[Segment], deadline: float) -> None:
         """Same host: tell the gen side where the blocks are; it reads them and confirms (``done``)."""
@@ -310,10 +351,11 @@ class UcxKVServer:
         answer["src_addrs"] = [[self.kv_cache[s.src_start].data_ptr(), s.count * row] for s in segments]
         self._send_control(conn, base, answer, deadline)
 
-    def _send_blocks(self, conn: Conn, base: int, rid: str, answer: dict, segments: list[Segment],
+    def _send_blocks(self, conn: Conn, key: tuple[str, int, str], answer: dict, segments: list[Segment],
                      deadline: float, release: bool) -> None:
         """Between hosts: the answer and the segments back to back; unpin once the sends completed
         (a failure leaves the hold: the gen side may still read posted sends until its deadline)."""
+        rid, base, _ = key
         answer["tag"] = base
         buffers = [frame(answer)]
         requests = [self._worker.send(conn, buffers[0], base)]
@@ -322,9 +364,14 @@ class UcxKVServer:
             buffers.append(as_array(blocks if blocks.is_contiguous() else blocks.contiguous()))
             requests.append(self._worker.send(conn, buffers[-1], base + 1 + i))
         wait_all(self._worker, requests, deadline, f"sending {answer['bytes']} bytes of {rid}", self._stopping)
-        finished = self._holds.done(rid, base, release)
+        finished = self._holds.done(key, release)
         if finished is not None:
             self.on_sent(finished[1], finished[0])
+
+
+def _pull_key(msg: dict) -> tuple[str, int, str]:
+    """Names one pull of one gen client: (ctx_request_id, tag base, reply_to). Raises KeyError/ValueError/TypeError."""
+    return str(msg["ctx_request_id"]), int(msg["tag"]), str(msg["reply_to"])
 
 
 def check_echo(answer: dict, base: int, endpoint: str) -> None:

@@ -5,10 +5,10 @@ Protocol, deadlines and where the bytes go: :mod:`kv_transfer.ucx_backend`.
 
 from __future__ import annotations
 
-import base64
 import errno
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -19,7 +19,8 @@ import torch
 from kv_transfer import cma
 from kv_transfer.layout import KVLayout, check_pairing
 from kv_transfer.runs import Segment, from_runs, plan_segments, to_runs
-from kv_transfer.ucx_backend import ACK, CTRL_TAG, _SEQ_BITS, check_echo, parse_endpoint, short_endpoint
+from kv_transfer.ucx_backend import (ACK, CTRL_TAG, _SEQ_BITS, check_echo, parse_endpoint, seal_address,
+                                     short_endpoint)
 from kv_transfer.ucx_worker import (FRAME_BYTES, Array, Conn, EndpointCache, EndpointFailed, Worker, as_array,
                                     frame, wait_all)
 from kv_transfer.wire import KVTransferError, unpack_msg
@@ -46,7 +47,7 @@ class UcxKVClient:
     def __init__(self, layout: KVLayout, same_host_reads: bool = True) -> None:
         self.layout = layout
         self._worker = Worker()
-        self._reply_to = base64.urlsafe_b64encode(self._worker.address).decode()
+        self._reply_to = seal_address(self._worker.address)
         self._peers = EndpointCache(self._worker, capacity=64)
         self._tags = itertools.count(random.getrandbits(32))
         self._stopping = threading.Event()
@@ -86,6 +87,8 @@ class UcxKVClient:
             KVTransferError: the peer is unreachable, refused, failed, or ``timeout_s`` passed.
         """
         check_pairing(self.layout, remote_layout)
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+            raise KVTransferError(f"a KV pull needs a finite positive timeout, not {timeout_s!r}")
         peer, address = parse_endpoint(endpoint)
         if not dst_block_ids or not all(0 <= b < kv_cache.shape[0] for b in dst_block_ids):
             raise KVTransferError(f"destination blocks {dst_block_ids!r} are not all in 0..{kv_cache.shape[0] - 1}")
@@ -245,7 +248,7 @@ class UcxKVClient:
     def _send_done(self, conn: Conn, rid: str, base: int, release: bool) -> None:
         """Tell the ctx side the read is over (it unpins, and releases if asked). Best effort: if the
         message cannot leave, the ctx side unpins at the end of its hold anyway."""
-        done = {"op": "done", "ctx_request_id": rid, "tag": base, "release": release}
+        done = {"op": "done", "ctx_request_id": rid, "tag": base, "reply_to": self._reply_to, "release": release}
         try:
             self._wait([self._worker.send(conn, frame(done), CTRL_TAG)], time.monotonic() + _DONE_SEND_S,
                        "confirming the pull")

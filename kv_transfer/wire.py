@@ -40,7 +40,7 @@ def unpack_msg(frame: bytes | memoryview) -> dict:
 def _decode(body: bytes | bytearray) -> dict:
     try:
         msg = json.loads(body)
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise KVTransferError(f"bad control message: {err}") from None
     if not isinstance(msg, dict):
         raise KVTransferError("bad control message: not a JSON object")
