@@ -90,7 +90,8 @@ def test_ctx_killed_mid_copy_fails_the_pull_not_the_gen_process(same_host_reads)
 def test_an_unconfirmed_pull_keeps_its_lease_pinned_past_the_gen_deadline(same_host_reads, monkeypatch):
     """The gen side stalls between the answer and the bytes until its deadline passed, and never
     tells the ctx side (as if it hung). Its pull must fail, not read late; the lease (expired
-    meanwhile) stays pinned until the gen side's budget plus GRACE_S, and only then is freed."""
+    meanwhile) stays pinned until the granted budget (the ctx side's timeout, however long the gen
+    side asked for) plus GRACE_S, and only then is freed."""
     from kv_transfer import ucx_client
 
     big, shape = big_layout(), big_cache(4).shape
@@ -109,8 +110,10 @@ def test_an_unconfirmed_pull_keeps_its_lease_pinned_past_the_gen_deadline(same_h
         client = make_kv_client("ucx", big, same_host_reads=same_host_reads)
         t0 = time.monotonic()
         try:
+            # The gen side asks for 30 s; the ctx side grants its own 0.5 s (echoed in the answer).
             with pytest.raises(KVTransferError, match="deadline passed"):
-                client.pull(side.server.endpoint, "r", big, torch.zeros(shape), [0, 1, 2], timeout_s=0.5)
+                client.pull(side.server.endpoint, "r", big, torch.zeros(shape), [0, 1, 2], timeout_s=30)
+            assert time.monotonic() - t0 < 0.5 + 0.8 + 1
             assert side.freed == [], "a lease was freed while its pull could still read it"
             deadline = time.monotonic() + 0.5 + GRACE_S + 2
             while not side.freed and time.monotonic() < deadline:
@@ -173,3 +176,61 @@ def test_a_recycled_pid_is_never_read():
     finally:
         client.stop()
         side.stop()
+
+
+def test_the_control_loop_survives_garbage_and_garbage_addresses_fail_cleanly():
+    """A control frame that is not JSON (invalid UTF-8) is dropped and serving goes on; an
+    endpoint whose worker address is corrupt fails the pull with an error (UCX itself would abort)."""
+    import base64
+
+    import numpy as np
+
+    from kv_transfer.ucx_backend import CTRL_TAG, parse_endpoint
+    from kv_transfer.ucx_worker import Array
+
+    side = CtxSide("ucx", torch.randn(8, *cache().shape[1:]), layout())
+    client = make_kv_client("ucx", layout())
+    try:
+        peer, address = parse_endpoint(side.server.endpoint)
+        conn, _ = client._peers.acquire(peer, address)
+        garbage = np.frombuffer(b"\x00\x00\x00\x04\xff\xfe\xfd\xfc", dtype=np.uint8).copy()
+        client._wait([client._worker.send(conn, Array(garbage), CTRL_TAG)], time.monotonic() + 2, "sending garbage")
+        client._peers.release(conn)
+        side.leases.park("r", [1, 2], 8, ttl_s=30)
+        dst = cache()
+        client.pull(side.server.endpoint, "r", layout(), dst, [0, 1], timeout_s=3)
+        assert torch.equal(dst[:2], side.server.kv_cache[1:3])
+        prefix, _, sealed = side.server.endpoint.rpartition("/")
+        raw = bytearray(base64.urlsafe_b64decode(sealed))
+        raw[5] ^= 0x5A
+        corrupt = prefix + "/" + base64.urlsafe_b64encode(bytes(raw)).decode()
+        with pytest.raises(KVTransferError, match="checksum mismatch"):
+            client.pull(corrupt, "r", layout(), cache(), [0], timeout_s=2)
+    finally:
+        client.stop()
+        side.stop()
+
+
+def test_same_host_read_counts_only_if_it_finished_before_the_deadline(monkeypatch):
+    """The ctx side guarantees its memory until the deadline (plus grace), not after: a read that
+    returns after the deadline is refused, whatever it copied."""
+    from kv_transfer import cma
+
+    src = torch.arange(1024, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    cma.read_remote(os.getpid(), src.data_ptr(), dst.data_ptr(), 4096, time.monotonic() + 5)
+    assert torch.equal(src, dst)
+    with pytest.raises(TimeoutError, match="deadline"):
+        cma.read_remote(os.getpid(), src.data_ptr(), dst.data_ptr(), 4096, time.monotonic() - 1)
+    clock = iter([100.0, 100.0 + 10])  # checked before the syscall (in time), then after it (late)
+
+    class LateClock:
+        monotonic = staticmethod(lambda: next(clock))
+
+    monkeypatch.setattr(cma, "time", LateClock)
+    with pytest.raises(TimeoutError, match="finished past its deadline"):
+        cma.read_remote(os.getpid(), src.data_ptr(), dst.data_ptr(), 4096, 105.0)
+    monkeypatch.undo()
+    with pytest.raises(cma.CMAError) as err:
+        cma.read_remote(2**22 + 12345, src.data_ptr(), dst.data_ptr(), 4096, float("inf"))
+    assert err.value.errno == 3  # ESRCH: no such process
