@@ -28,9 +28,6 @@ from pdserve.procfs import proc_start_time
 
 log = logging.getLogger(__name__)
 
-_DONE_SEND_S = 1.0  # how long a pull waits for its "done" message to leave
-
-
 class _DirectRefused(KVTransferError):
     """The kernel refused a same-host read (EPERM): this peer's bytes must come as UCX messages."""
 
@@ -246,14 +243,16 @@ class UcxKVClient:
             raise KVTransferError(f"KV pull of {rid} failed: the ctx process (pid {pid}) is gone")
 
     def _send_done(self, conn: Conn, rid: str, base: int, release: bool) -> None:
-        """Tell the ctx side the read is over (it unpins, and releases if asked). Best effort: if the
-        message cannot leave, the ctx side unpins at the end of its hold anyway."""
+        """Tell the ctx side the read is over (it unpins, and releases if asked). Fire and forget:
+        the send is posted and left to the progress thread (its buffer kept alive until it leaves);
+        if it never arrives, the ctx side unpins at the end of its hold anyway."""
         done = {"op": "done", "ctx_request_id": rid, "tag": base, "reply_to": self._reply_to, "release": release}
         try:
-            self._wait([self._worker.send(conn, frame(done), CTRL_TAG)], time.monotonic() + _DONE_SEND_S,
-                       "confirming the pull")
+            request = self._worker.send(conn, frame(done), CTRL_TAG)
         except EndpointFailed as err:
             log.info("KV pull of %s: the ctx side was not told the copy ended (%s); it unpins on its own", rid, err)
+            return
+        self._worker.adopt([request])
 
     def _receive(self, conn: Conn, rid: str, kv_cache: torch.Tensor, segments: list[Segment], base: int,
                  nbytes: int, deadline: float) -> None:
