@@ -64,7 +64,7 @@ from kv_transfer.layout import KVLayout, KVLayoutMismatch, bytes_per_block, chec
 from kv_transfer.lease import LeaseError, LeaseTable
 from kv_transfer.runs import Segment, from_runs, plan_segments, to_runs
 from kv_transfer.ucx_worker import (FRAME_BYTES, Array, Conn, EndpointCache, EndpointFailed, Worker, as_array,
-                                    frame, show_key, ucx, wait_all)
+                                    frame, ucx, wait_all)
 from kv_transfer.wire import KVTransferError, unpack_msg
 from pdserve.procfs import proc_start_time
 
