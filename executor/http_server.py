@@ -256,7 +256,9 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     ereq = engine_request(rid, prompt, sampling_params(body), disagg)
     answer = PhaseAnswer()
     run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer))
-    first = await run.first()
+    first = await run.first_unless_disconnected(request)
+    if first is None:
+        return Response(status_code=499)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(run.sse(first, include_usage), media_type="text/event-stream")
@@ -311,6 +313,24 @@ class _Run:
             m.requests.labels(request_type=self.rtype, outcome=out.finish_reason or "handed_off").inc()
             m.prompt_tokens.inc(out.num_prompt_tokens)
             m.generation_tokens.inc(out.num_output_tokens)
+
+    async def first_unless_disconnected(self, request: Request) -> RequestOutput | None:
+        """The first output, or None (request aborted) if the client left before it came — on a ctx
+        server the first output is the whole prefill, on a gen server it waits for the KV pull."""
+        task = asyncio.create_task(self.first())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    log.info("client disconnected before the first output; aborted %s", self.id)
+                    return None
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await self.outputs.aclose()  # the handler's cleanup aborts the engine request
 
     async def collect(self, first: RequestOutput, request: Request, answer: PhaseAnswer) -> Response:
         """Non-streaming answer; aborts the request if the client disconnects meanwhile."""
