@@ -94,7 +94,12 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def fresh_stats(self) -> dict:
-        """Like :meth:`stats`, but read from the engine now (a round trip in the lattice)."""
+        """Like :meth:`stats`, but read from the engine now (a round trip in the lattice).
+
+        Raises:
+            TimeoutError: the engine did not answer within ``STATS_TIMEOUT_S`` (it answers between
+                steps, and one long prefill step can take seconds): callers fall back to :meth:`stats`.
+        """
 
     @abc.abstractmethod
     def drain(self) -> None:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 RECV_POLL_MS = 200      # receiver thread re-checks its stop flag this often
 REPLY_TIMEOUT_S = 10.0  # a control call (lease release) waits at most this long for rank 0
+STATS_TIMEOUT_S = 1.0  # fresh stats: /metrics and /server_info answer with the pushed snapshot after this
 SEND_HWM = 100_000      # queued messages to rank 0 before a send is refused (never blocks)
 
 
@@ -102,17 +103,17 @@ class LatticeClient(EngineClient):
     async def fresh_stats(self) -> dict:
         if self.state == EngineState.DEAD:
             return self.stats()
-        return {**await self._call("stats"), "ipc_rejected_frontend": self.codec.rejected,
+        return {**await self._call("stats", timeout_s=STATS_TIMEOUT_S), "ipc_rejected_frontend": self.codec.rejected,
                 "frontend_id": self.frontend_id, "ranks": self.info.ranks}
 
-    async def _call(self, kind: str, *args: object) -> object:
-        """A request/reply with rank 0, bounded by REPLY_TIMEOUT_S (raises TimeoutError)."""
+    async def _call(self, kind: str, *args: object, timeout_s: float = REPLY_TIMEOUT_S) -> object:
+        """A request/reply with rank 0, bounded by ``timeout_s`` (raises TimeoutError)."""
         call_id = make_client_id(self.frontend_id, next(self._seq))
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         self._send((kind, call_id, call_id, *args))
         try:
-            return await asyncio.wait_for(fut, REPLY_TIMEOUT_S)
+            return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._calls.pop(call_id, None)
 
