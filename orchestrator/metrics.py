@@ -41,7 +41,8 @@ class Metrics:
                                "Arrival to the first upstream request (validation, tokenizing, routing)",
                                buckets=_TOKEN_BUCKETS_S, registry=r)
         self.kv_handoff = Histogram("pdserve_orchestrator_kv_transfer_seconds",
-                                    "ctx answer to the gen server's first byte: KV pull + first decode step",
+                                    "Streaming requests: ctx answer to the gen server's first byte (KV pull + first "
+                                    "decode step; a non-streaming gen answer has no first byte before its last)",
                                     buckets=_LATENCY_BUCKETS_S, registry=r)
         self.routed = Counter("pdserve_orchestrator_routed_requests", "Requests sent to a server, by pool and path",
                               ["pool", "path"], registry=r)
