@@ -74,7 +74,7 @@ def cmd_up(config: str, log_dir: str) -> int:
         launcher.wait_ready()
         print(f"\npdserve is ready at {launcher.url}\n  {curl_line(launcher.topology, launcher.url)}\n"
               f"  {_self_command()} status --url {launcher.url}    (admin token: {token_where})\n"
-              "Press Ctrl-C to stop.", flush=True)
+              "Press Ctrl-C (or send SIGTERM) to stop.", flush=True)
         launcher.serve_forever()
     except (LaunchError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
