@@ -85,6 +85,21 @@ def test_client_disconnect_before_first_token_frees_everything(faults):
     assert time.monotonic() - t0 < PULL_DELAY_S + 2.0  # only the injected hold, nothing left waiting
 
 
+def test_client_gone_before_the_first_output_aborts_the_request(faults):
+    """A gen request whose client leaves while its KV pull is held (no output yet) is aborted then:
+    it never produces a first token (TTFT is not observed), and its blocks come back after the pull.
+    (Runs before the tests that kill ctx 1 and gen 0.)"""
+    gen = faults.server_url("gen", 0)
+    start, ttft0 = free(gen), _metric(gen, 'pdserve_server_time_to_first_token_seconds_count{request_type="generation_only"}')
+    params = park(faults.server_url("ctx", 0))
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(gen + "/v1/completions", json=body(disaggregated_params=params), timeout=0.5)  # during the pull
+    wait_free(gen, start, PULL_DELAY_S + 2)
+    time.sleep(0.5)
+    ttft = _metric(gen, 'pdserve_server_time_to_first_token_seconds_count{request_type="generation_only"}')
+    assert ttft == ttft0, "the abandoned request went on to its first token"
+
+
 def test_100_faulted_requests_leave_full_pools(faults):
     urls = all_urls(faults)
     start = {u: free(u) for u in urls}
@@ -153,20 +168,6 @@ def test_gen_killed_mid_pull_ctx_lease_frees_within_lease(faults):
     wait_free(ctx, ctx_start, LEASE_MS / 1000 + PULL_DELAY_S + 2)
     assert time.monotonic() - t_park < LEASE_MS / 1000 + PULL_DELAY_S + 2
     t.join(10)
-
-
-def test_client_gone_before_the_first_output_aborts_the_request(faults):
-    """A gen request whose client leaves while its KV pull is held (no output yet) is aborted then:
-    it never produces a first token (TTFT is not observed), and its blocks come back after the pull."""
-    gen = faults.server_url("gen", 0)
-    start, ttft0 = free(gen), _metric(gen, 'pdserve_server_time_to_first_token_seconds_count{request_type="generation_only"}')
-    params = park(faults.server_url("ctx", 0))
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(gen + "/v1/completions", json=body(disaggregated_params=params), timeout=0.5)  # during the pull
-    wait_free(gen, start, PULL_DELAY_S + 2)
-    time.sleep(0.5)
-    ttft = _metric(gen, 'pdserve_server_time_to_first_token_seconds_count{request_type="generation_only"}')
-    assert ttft == ttft0, "the abandoned request went on to its first token"
 
 
 def _metric(url: str, prefix: str) -> float:
