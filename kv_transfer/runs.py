@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 
 class Segment(NamedTuple):
     """``count`` blocks from ``src_start`` (ctx cache) to ``dst_start`` (gen cache)."""
@@ -53,3 +55,9 @@ def plan_segments(src_ids: list[int], dst_ids: list[int]) -> list[Segment]:
         else:
             segments.append(Segment(s, d, 1))
     return segments
+
+
+def landing(blocks: torch.Tensor) -> torch.Tensor:
+    """Where received bytes for ``blocks`` (a slice of a cache) can land: the slice itself when it is
+    contiguous (no copy), else a contiguous staging tensor; in that case ``blocks.copy_(it)`` after."""
+    return blocks if blocks.is_contiguous() else torch.empty_like(blocks, memory_format=torch.contiguous_format)

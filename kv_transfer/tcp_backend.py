@@ -30,7 +30,7 @@ import torch
 
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, bytes_per_block, check_pairing
 from kv_transfer.lease import LeaseError, LeaseTable
-from kv_transfer.runs import to_runs
+from kv_transfer.runs import landing, to_runs
 from kv_transfer.wire import KVTransferError, parse_endpoint, recv_exact_into, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class TcpKVClient:
         (through a staging tensor only where the cache slice is not contiguous)."""
         for start, count in to_runs(dst_block_ids):
             blocks = kv_cache[start:start + count]
-            target = blocks if blocks.is_contiguous() else torch.empty_like(blocks, memory_format=torch.contiguous_format)
+            target = landing(blocks)
             recv_exact_into(sock, _byte_view(target), deadline)
             if target is not blocks:
                 blocks.copy_(target)

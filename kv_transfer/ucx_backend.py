@@ -62,6 +62,7 @@ import torch
 from kv_transfer import cma
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, bytes_per_block, check_pairing
 from kv_transfer.lease import LeaseError, LeaseTable
+from kv_transfer.pin_holds import PinHolds
 from kv_transfer.runs import Segment, from_runs, plan_segments, to_runs
 from kv_transfer.ucx_worker import (FRAME_BYTES, Array, Conn, EndpointCache, EndpointFailed, Worker, as_array,
                                     frame, ucx, wait_all)
@@ -122,54 +123,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, bytes]:
     return (name if int(port) else encoded), address
 
 
-class _PinHolds:
-    """Leases pinned past the end of their pull: until the gen side says ``done`` or the hold
-    deadline passes (then unpinned by :meth:`reap`). Keys are ``(ctx_request_id, tag base, reply_to)``:
-    one pull of one gen client."""
-
-    def __init__(self, leases: LeaseTable) -> None:
-        self._leases = leases
-        self._holds: dict[tuple[str, int, str], tuple[float, float, int]] = {}  # → (until, t0, bytes)
-        self._lock = threading.Lock()
-
-    def hold(self, key: tuple[str, int, str], until: float, nbytes: int = 0) -> bool:
-        """Register a pin's hold; False if one with this key exists (a duplicated pull message)."""
-        with self._lock:
-            if key in self._holds:
-                return False
-            self._holds[key] = (until, time.perf_counter(), nbytes)
-            return True
-
-    def done(self, key: tuple[str, int, str], release: bool) -> tuple[float, int] | None:
-        """Unpin (and release) a held lease; its (seconds held, bytes), or None if it was not held."""
-        with self._lock:
-            held = self._holds.pop(key, None)
-        if held is None:
-            return None
-        rid = key[0]
-        if release:
-            self._leases.release(rid)  # still pinned: applied by end_pull
-        self._leases.end_pull(rid)
-        return time.perf_counter() - held[1], held[2]
-
-    def reap(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            expired = [key for key, (until, _, _) in self._holds.items() if until <= now]
-            for key in expired:
-                del self._holds[key]
-        for rid, _, _ in expired:
-            log.warning("KV pull of %s was never confirmed by the gen side; unpinning its lease", rid)
-            self._leases.end_pull(rid)
-
-    def clear(self) -> None:
-        with self._lock:
-            keys = list(self._holds)
-            self._holds.clear()
-        for rid, _, _ in keys:
-            self._leases.end_pull(rid)
-
-
 class UcxKVServer:
     """Ctx-side transceiver: serves the blocks of parked leases to gen servers over UCX.
 
@@ -195,7 +148,7 @@ class UcxKVServer:
         self._identity = (os.getpid(), proc_start_time(os.getpid()))  # a recycled pid cannot pass for us
         self._worker = Worker(progress_thread=False)  # progressed by the control loop
         self._peers = EndpointCache(self._worker, capacity=256)
-        self._holds = _PinHolds(leases)
+        self._holds = PinHolds(leases)
         self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ucx-serve")
         self._control_buf = np.empty(FRAME_BYTES, dtype=np.uint8)

@@ -18,7 +18,7 @@ import torch
 
 from kv_transfer import cma
 from kv_transfer.layout import KVLayout, check_pairing
-from kv_transfer.runs import Segment, from_runs, plan_segments, to_runs
+from kv_transfer.runs import Segment, from_runs, landing, plan_segments, to_runs
 from kv_transfer.ucx_backend import (ACK, CTRL_TAG, _SEQ_BITS, check_echo, parse_endpoint, seal_address,
                                      short_endpoint)
 from kv_transfer.ucx_worker import (FRAME_BYTES, Array, Conn, EndpointCache, EndpointFailed, Worker, as_array,
@@ -219,7 +219,7 @@ class UcxKVClient:
             raise KVTransferError(f"same-host pull answer for {rid} names {len(addrs)} segments, not {len(segments)}")
         for seg, (addr, nbytes) in zip(segments, addrs):
             blocks = kv_cache[seg.dst_start:seg.dst_start + seg.count]
-            target = blocks if blocks.is_contiguous() else torch.empty_like(blocks, memory_format=torch.contiguous_format)
+            target = landing(blocks)
             if nbytes != target.numel() * target.element_size():
                 raise KVTransferError(f"same-host segment of {rid}: {nbytes} bytes for a "
                                       f"{target.numel() * target.element_size()}-byte destination")
@@ -265,10 +265,10 @@ class UcxKVClient:
         staged, requests = [], []
         for i, seg in enumerate(segments):
             blocks = kv_cache[seg.dst_start:seg.dst_start + seg.count]
-            if not blocks.is_contiguous():
-                staged.append((blocks, torch.empty_like(blocks, memory_format=torch.contiguous_format)))
-                blocks = staged[-1][1]
-            requests.append(self._worker.recv(conn, as_array(blocks), base + 1 + i))
+            target = landing(blocks)
+            if target is not blocks:
+                staged.append((blocks, target))
+            requests.append(self._worker.recv(conn, as_array(target), base + 1 + i))
         self._wait(requests, deadline, f"receiving {nbytes} bytes of {rid}")
         for dst, tmp in staged:
             dst.copy_(tmp)
