@@ -41,8 +41,16 @@ def test_wrong_start_time_is_refused():
 
 def test_stop_without_death():
     p = sleeper()
-    mon = RankMonitor([RankProcess(0, p.pid, proc_start_time(p.pid))], lambda r, why: pytest.fail("no death"))
+    seen = []
+    mon = RankMonitor([RankProcess(0, p.pid, proc_start_time(p.pid))], lambda r, why: seen.append((r, why)))
     mon.start()
+    time.sleep(0.1)
+    assert seen == []  # a live rank is no death
     mon.stop()
+    assert not mon._thread.is_alive(), "stop() left the monitor thread running"
+    assert mon._fds == {} and mon._wake_r is None, "stop() left file descriptors open"
+    # A death after stop() is nobody's business any more: no callback.
     p.kill()
     p.wait()
+    time.sleep(0.2)
+    assert seen == []
