@@ -133,13 +133,15 @@ class LLMEngine:
         return bool(self._to_emit) or self.scheduler.has_work()
 
     def step(self, extra: object = None) -> StepResult:
-        """Schedule, run the model once, apply the sampled tokens; return outputs and KV pulls.
+        """Schedule, run the model once, apply the sampled tokens; return outputs and KV pulls
+        (``stalled`` when nothing could be scheduled and nothing changed).
 
         TP: the plan goes to the followers first, with `extra` (any picklable, not None), which
         their on_extra receives before they run that step; extra is sent even when no model runs.
         Raises RuntimeError when a follower died or stalled past the group's timeout.
         """
         self._require_driver()
+        had_running = bool(self.scheduler.running)  # running sequences always run (or are preempted)
         batch = self.scheduler.schedule()
         pulls = [KVPull(s.request_id, s.block_ids[:self.block_manager.blocks_needed(s.num_tokens)],
                         s.num_tokens) for s in batch.pulls]
@@ -156,7 +158,10 @@ class LLMEngine:
                     self._apply_token(seq, sampled[seq.request_id])
         elif has_extra:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
-        return StepResult(outputs=self._drain_outputs(), kv_pulls=pulls)
+        outputs = self._drain_outputs()
+        # Nothing ran, was admitted or preempted: the scheduler's state is what it was before.
+        stalled = not (had_running or batch.items or pulls or outputs)
+        return StepResult(outputs=outputs, kv_pulls=pulls, stalled=stalled)
 
     # ---- tensor parallel ------------------------------------------------------------------
     def broadcast_extra(self, extra: object) -> None:

@@ -59,5 +59,9 @@ class KVPull:
 
 @dataclass
 class StepResult:
+    """What one step produced. ``stalled``: nothing ran and nothing changed (requests wait for
+    blocks or KV pulls while nothing runs), so until a request is added, aborted, released or its
+    KV arrives, the next step would do the same; the loop may wait instead of stepping again."""
     outputs: list[RequestOutput]
     kv_pulls: list[KVPull]
+    stalled: bool = False

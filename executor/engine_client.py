@@ -1,9 +1,10 @@
 """The interface between a server's HTTP layer and its engine: submit, abort, stream of responses.
 
 The HTTP code (``executor.http_server``) and the phase handlers (``ctx_worker``, ``gen_worker``)
-talk to an engine only through :class:`EngineClient`. Today's implementation runs the engine loop
-in a thread of the server process (``executor.inproc_executor``); the multi-process lattice (MPI
-ranks behind IPC lanes) implements the same interface, so the HTTP code does not change.
+talk to an engine only through :class:`EngineClient`. Two implementations share its frontend half
+(``executor.worker_client``) and the engine loop (``executor.engine_loop``): the in-process executor
+(``executor.inproc_executor``, the loop in a thread of the server process) and the lattice
+(``executor.lattice_client``: MPI ranks behind IPC lanes), so the HTTP code does not change.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 from executor.http_server import ServerState
 from executor.lattice_client import LatticeClient
 from executor.proxy import ATTACH_ENV, AttachInfo
+from executor.server_setup import make_state
 from pdserve.config import ServerConfig
 from pdserve.protocol import KVLayoutModel
 
@@ -38,7 +39,6 @@ def lattice_state(cfg: ServerConfig, info: AttachInfo) -> tuple[ServerState, Lat
     """State of one frontend: its tokenizer (no weights), its lattice client, the role's handlers."""
     from engine.model_files import resolve_model_path
     from engine.tokenizer import Tokenizer
-    from executor.server_main import make_state
 
     wi = info.worker_info
     tokenizer = Tokenizer.from_model_path(resolve_model_path(cfg.model.path), list(wi["eos_token_ids"]))

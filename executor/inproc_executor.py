@@ -1,10 +1,11 @@
 """An :class:`EngineClient` that runs the engine loop in a thread of the server process.
 
-Threads: the asyncio event loop (HTTP handlers) submits commands through a thread-safe queue; the
-``engine-loop`` thread owns the :class:`engine.llm_engine.LLMEngine` (single-threaded by contract),
-applies the commands between steps and hands each output to the request's asyncio queue with
-``call_soon_threadsafe``. A failure of the loop makes the engine dead for good (sticky): every
-pending request gets :class:`EngineDeadError` at once and new submits are refused.
+Threads: the asyncio event loop (HTTP handlers) sends :mod:`executor.messages` commands through a
+thread-safe queue (:class:`QueueTransport`); the ``engine-loop`` thread runs the same
+:class:`executor.engine_loop.EngineLoop` as rank 0 of the lattice, so the same ordering rules hold,
+and hands its events straight to :meth:`WorkerClient.dispatch` (each request's asyncio queue is
+fed with ``call_soon_threadsafe``). A failure of the loop makes the engine dead for good (sticky):
+every pending request gets :class:`EngineDeadError` at once and new submits are refused.
 """
 
 from __future__ import annotations
@@ -13,62 +14,102 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest
-from executor.engine_client import EngineClient, EngineState
+from executor.engine_client import EngineState
+from executor.engine_loop import IDLE_WAIT_S, EngineLoop
 from executor.kv_role import RankShards, WorkerRole
-from executor.streams import RequestStream, StreamRegistry
-from pdserve.protocol import DisaggregatedParams
+from executor.messages import Command, EngineDead, Event, Shutdown
+from executor.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the command queue before re-checking stop
+
+class QueueTransport:
+    """The engine loop's transport inside one process: a command queue in, a callback out (one lane).
+
+    ``submit`` and ``wake`` are thread-safe; ``on_event`` is called on the loop thread.
+    """
+
+    num_lanes = 1
+
+    def __init__(self, on_event: Callable[[Event], None]) -> None:
+        self._on_event = on_event
+        self._queue: queue.Queue[Command | None] = queue.Queue()  # None: a wake-up
+
+    def submit(self, cmd: Command) -> None:
+        self._queue.put(cmd)
+
+    def wake(self) -> None:
+        self._queue.put(None)
+
+    def receive(self, timeout_s: float) -> list[Command]:
+        """Wait at most ``timeout_s`` for a command or wake-up; then take whatever else is queued."""
+        try:
+            first = self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return []
+        commands = [first] if first is not None else []
+        while True:
+            try:
+                cmd = self._queue.get_nowait()
+            except queue.Empty:
+                return commands
+            if cmd is not None:
+                commands.append(cmd)
+
+    def send(self, lane: int, events: list[Event]) -> None:
+        for event in events:
+            self._on_event(event)
+
+    def report_dead(self, reason: str) -> None:
+        self._on_event(EngineDead(reason))
+
+    def stats(self) -> dict:
+        return {}
 
 
-class InProcessExecutor(EngineClient):
-    """Engine loop in a background thread; owned by the server, stopped by :meth:`shutdown`."""
+class InProcessExecutor(WorkerClient):
+    """Engine loop in a background thread; owned by the server, stopped by :meth:`shutdown`.
 
-    def __init__(self, engine: LLMEngine, role: WorkerRole | None = None, shards: RankShards | None = None) -> None:
+    ``idle_wait_s``: the loop's longest wait for a command while the engine cannot step (seconds).
+    """
+
+    def __init__(self, engine: LLMEngine, role: WorkerRole | None = None, shards: RankShards | None = None,
+                 idle_wait_s: float = IDLE_WAIT_S) -> None:
+        super().__init__(frontend_id=0, state=EngineState.STARTING)
         self._engine = engine
         self._role = role or WorkerRole()
         self._shards = shards or RankShards([engine.kv_cache], [])
-        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._requests = StreamRegistry(EngineState.STARTING)
-        self._stop = threading.Event()
-        self._stats = self._read_stats()
+        self._transport = QueueTransport(self.dispatch)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._loop: EngineLoop | None = None
+        self._idle_wait_s = idle_wait_s
+        self._stats = engine.stats()  # until the loop pushes its first snapshot
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the role and the engine loop thread, then open the admission gate."""
-        self._role.start(self._engine, self, self._shards)
+        self._loop = EngineLoop(self._engine, self._role, self._transport, self._shards, self._idle_wait_s)
         self._thread.start()
         self._requests.transition(EngineState.STARTING, EngineState.SERVING)
 
-    def drain(self) -> None:
-        self._requests.transition(EngineState.SERVING, EngineState.DRAINING)
+    def _run(self) -> None:
+        self._loop.run_or_report("engine loop")
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        self._commands.put(None)  # wake the loop
+        self._send(Shutdown("the server is shutting down"))
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, timeout_s)
             if self._thread.is_alive():
                 log.error("engine loop did not stop within %.1f s", timeout_s)
-        await asyncio.to_thread(self._role.stop)
         self._die("the server is shutting down", log_error=False)
 
+    def _send(self, cmd: Command) -> None:
+        self._transport.submit(cmd)
+
     # ---- properties -----------------------------------------------------------------------
-    @property
-    def state(self) -> EngineState:
-        return self._requests.state
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._requests.dead_reason
-
     @property
     def tokenizer(self):
         return self._engine.tokenizer
@@ -80,81 +121,3 @@ class InProcessExecutor(EngineClient):
     @property
     def engine(self) -> LLMEngine:
         return self._engine
-
-    def stats(self) -> dict:
-        return {**self._stats, **self._role.stats()}
-
-    async def fresh_stats(self) -> dict:
-        return self.stats()
-
-    # ---- requests -------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest,
-                       disagg: DisaggregatedParams | None = None) -> AsyncIterator[object]:
-        stream = self._requests.register(request.request_id)
-        self._commands.put(lambda: self._add(request, disagg, stream))
-        async for item in self._requests.consume(request.request_id, stream, self.abort):
-            yield item
-
-    def _add(self, request: EngineRequest, disagg: DisaggregatedParams | None, stream: RequestStream) -> None:
-        try:
-            self._role.on_submit(request, disagg)
-            self._engine.add_request(request)
-        except ValueError as err:  # RequestValidationError and friends: this request only
-            stream.put(err)
-
-    def abort(self, request_id: str) -> None:
-        def _abort() -> None:
-            if not self._role.intercept_abort(request_id):
-                self._engine.abort_request(request_id)
-
-        self._commands.put(_abort)
-
-    async def release_lease(self, ctx_request_id: str) -> bool:
-        return self._role.release(ctx_request_id)
-
-    # ---- WorkerOps (for the role; thread-safe) ------------------------------------------------
-    def post(self, fn: Callable[[LLMEngine], None]) -> None:
-        self._commands.put(lambda: fn(self._engine))
-
-    def deliver(self, request_id: str, item: object) -> None:
-        stream = self._requests.get(request_id)
-        if stream is not None:
-            stream.put(item)
-
-    # ---- engine loop thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._apply_commands(block=not self._engine.has_work())
-                if self._stop.is_set():
-                    break
-                if self._engine.has_work():
-                    result = self._engine.step()
-                    for pull in result.kv_pulls:
-                        self._role.on_pull(pull)
-                    for out in result.outputs:
-                        self._role.on_output(out)
-                        self.deliver(out.request_id, out)
-                self._stats = self._read_stats()
-        except Exception as err:  # noqa: BLE001 - any engine failure makes the engine dead for good
-            log.exception("engine loop failed")
-            self._die(f"engine loop failed: {type(err).__name__}: {err}")
-
-    def _apply_commands(self, block: bool) -> None:
-        try:
-            cmd = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while cmd is not None:
-            cmd()
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _read_stats(self) -> dict[str, int]:
-        return self._engine.stats()
-
-    def _die(self, reason: str, log_error: bool = True) -> None:
-        """Make the engine dead (sticky) and fail every pending request with EngineDeadError."""
-        self._requests.die(reason, log_error)

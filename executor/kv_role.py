@@ -1,9 +1,9 @@
 """The worker side of KV movement: what a role does next to the engine loop.
 
 KV blocks live where the engine lives (a worker rank), so parking, serving and pulling them runs
-there, not in the HTTP frontends. A :class:`WorkerRole` is called by the engine loop owner (the
-in-process executor or a rank's worker loop) at four points: a request is submitted, the engine
-asks for a KV pull, the engine produced an output, a request is aborted. The ctx role
+there, not in the HTTP frontends. A :class:`WorkerRole` is called by the engine loop
+(:class:`executor.engine_loop.EngineLoop`, in process or on rank 0) at four points: a request is
+submitted, the engine asks for a KV pull, the engine produced an output, a request is aborted. The ctx role
 (``ctx_worker.kv_role``) parks and serves blocks; the gen role (``gen_worker.kv_role``) pulls them.
 
 Items a role hands to a request's stream besides engine outputs: :class:`KVHandoff` (ctx: the
@@ -53,7 +53,7 @@ class KVTransferDone:
 
 
 class WorkerOps(Protocol):
-    """What the engine loop owner offers a role (both methods are thread-safe)."""
+    """What the engine loop offers a role (both methods are thread-safe; each wakes a waiting loop)."""
 
     def post(self, fn: Callable[["LLMEngine"], None]) -> None:
         """Run ``fn(engine)`` on the engine loop thread, between steps."""

@@ -25,7 +25,9 @@ from pathlib import Path
 import zmq
 
 from executor.ipc import Codec, new_key
+from executor.messages import Ack, RankFailed, RankHello, RankReady
 from executor.monitor import RankProcess, proc_start_time
+from executor.server_setup import worker_plugin
 from pdserve.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ class Proxy:
     def start(self, timeout_s: float) -> AttachInfo:
         """Launch the ranks and wait for every READY (bounded by ``timeout_s``). Raises StartupError."""
         tp = self.cfg.engine.tp_size
-        spec = {"server": self.cfg.model_dump(mode="json"), "role_plugin": _worker_plugin(self.cfg.role),
+        spec = {"server": self.cfg.model_dump(mode="json"), "role_plugin": worker_plugin(self.cfg.role),
                 "frontend_pid": os.getpid(), "frontend_start_time": proc_start_time(os.getpid()),
                 "ready_addr": self.ready_addr, "ingress_addr": self.ingress_addr, "lane_addrs": self.lane_addrs}
         (self.ipc_dir / "spec.json").write_text(json.dumps(spec))
@@ -120,7 +122,7 @@ class Proxy:
         try:
             ranks, info = self._handshake(router, tp, timeout_s)
             for identity in ranks:
-                router.send_multipart([identity, self.codec.encode(("ack",))])
+                router.send_multipart([identity, self.codec.encode(Ack())])
         except StartupError:
             self.stop()
             raise
@@ -150,15 +152,15 @@ class Proxy:
             msg = self.codec.try_decode(data)
             if msg is None:
                 continue
-            if msg[0] == "hello":
-                hello[msg[1]] = (msg[2], msg[3])
-            elif msg[0] == "failed":
-                raise StartupError(f"worker rank {msg[1]} failed during start-up: {msg[2]} (log: {self.rank_log})")
-            elif msg[0] == "ready":
-                pid, start = hello[msg[1]]
-                ready[identity] = RankProcess(rank=msg[1], pid=pid, start_time=start)
-                if msg[1] == 0:
-                    info = msg[2]
+            if isinstance(msg, RankHello):
+                hello[msg.rank] = (msg.pid, msg.start_time)
+            elif isinstance(msg, RankFailed):
+                raise StartupError(f"worker rank {msg.rank} failed during start-up: {msg.cause} (log: {self.rank_log})")
+            elif isinstance(msg, RankReady):
+                pid, start = hello[msg.rank]
+                ready[identity] = RankProcess(rank=msg.rank, pid=pid, start_time=start)
+                if msg.rank == 0:
+                    info = msg.info
         return ready, info
 
     def _wait_exit(self) -> None:
@@ -179,12 +181,6 @@ class Proxy:
                     _signal_group(self.proc, signal.SIGKILL)
                     self.proc.wait(5)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
-def _worker_plugin(role: str) -> str:
-    from executor.server_main import ROLE_PLUGINS
-
-    return ROLE_PLUGINS[role][0]
 
 
 def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:

@@ -13,79 +13,24 @@ listens once the engine is ready, so a server that accepts connections is ready 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from executor import registration
+from executor.frontends import AttachedFrontends, lattice_state
 from executor.http_server import ServerState, create_server_app
 from executor.kv_role import RankShards
-from executor.metrics import RoleStatsCollector, ServerMetrics
-from executor.phases import ColocatedPhase
+from executor.proxy import Proxy, StartupError
+from executor.server_setup import engine_config, kv_layout, load_plugin, make_state, worker_plugin
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
-from pdserve.protocol import KVLayoutModel
 
 log = logging.getLogger("pdserve.server")
-
-# Each role names two plugins by import path, so that the executor never imports the role
-# packages (arrows point ctx_worker/gen_worker -> executor): the worker side (next to the engine:
-# KV parking, serving, pulling) and the frontend side (phase handlers and routes).
-ROLE_PLUGINS: dict[str, tuple[str, str]] = {
-    "ctx": ("ctx_worker.kv_role:make_worker_role", "ctx_worker.context_phase:setup_ctx_frontend"),
-    "gen": ("gen_worker.kv_role:make_worker_role", "gen_worker.generation_phase:setup_gen_frontend"),
-}
-
-
-def load_plugin(path: str) -> Callable:
-    """Import ``module:attribute``."""
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def engine_config(cfg: ServerConfig, kv_cache_file: str | None = None):
-    """Map the topology's engine settings onto the engine's own config."""
-    from engine.config import EngineConfig
-
-    e = cfg.engine
-    extra = {"kv_cache_file": kv_cache_file} if kv_cache_file else {}
-    return EngineConfig(model=cfg.model.path, dtype=e.dtype, block_size=e.block_size, num_kv_blocks=e.num_kv_blocks,
-                        max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
-                        max_model_len=e.max_model_len, num_threads=e.num_threads,
-                        kv_cache_huge_pages=e.kv_cache_huge_pages, **extra)
-
-
-def kv_layout(cfg: ServerConfig, engine, tp_rank: int = 0, tp_size: int = 1) -> KVLayoutModel:
-    """The KV layout of TP rank ``tp_rank`` of ``tp_size`` (its share of the KV heads)."""
-    from engine.tp import kv_head_range
-
-    mc = engine.model_config
-    lo, hi = kv_head_range(mc.num_kv_heads, tp_rank, tp_size)
-    return KVLayoutModel(model=cfg.model.name, num_layers=mc.num_layers, num_kv_heads=hi - lo,
-                         head_dim=mc.head_dim, block_size=cfg.engine.block_size, dtype=cfg.engine.dtype,
-                         tp_rank=tp_rank, tp_size=tp_size)
-
-
-def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int,
-               layouts: list[KVLayoutModel] | None = None) -> ServerState:
-    """The HTTP state of one frontend, with the role's handlers and routes added."""
-    from kv_transfer.factory import resolve_backend
-
-    backend = resolve_backend(cfg.kv_transfer.backend)
-    metrics = ServerMetrics(cfg.role, backend)
-    metrics.role_stats = RoleStatsCollector(client.stats)
-    metrics.registry.register(metrics.role_stats)
-    state = ServerState(config=cfg, client=client, handlers={"context_and_generation": ColocatedPhase(client)},
-                        metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
-                        kv_layouts=list(layouts or [layout]))
-    load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
-    return state
 
 
 def build_inproc_state(cfg: ServerConfig) -> ServerState:
@@ -100,7 +45,7 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
     log.info("%s[%d]: engine ready in %.1f s (context window %d tokens)", cfg.role, cfg.index,
              time.perf_counter() - t0, engine.max_model_len)
     layout = kv_layout(cfg, engine)
-    executor = InProcessExecutor(engine, load_plugin(ROLE_PLUGINS[cfg.role][0])(cfg, layout),
+    executor = InProcessExecutor(engine, load_plugin(worker_plugin(cfg.role))(cfg, layout),
                                  RankShards([engine.kv_cache], [layout]))
     state = make_state(cfg, executor, layout, engine.model_config.vocab_size)
     state.on_shutdown.append(executor.shutdown)
@@ -110,9 +55,6 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
 
 def build_lattice_state(cfg: ServerConfig, log_dir: Path) -> ServerState:
     """Frontend 0: launch the ranks (proxy), attach a lattice client, start the attached frontends."""
-    from executor.frontends import AttachedFrontends, lattice_state
-    from executor.proxy import Proxy
-
     t0 = time.perf_counter()
     proxy = Proxy(cfg, cfg.engine.num_frontends, log_dir / f"{cfg.role}{cfg.index}.ranks.log")
     info = proxy.start(cfg.engine.worker_start_timeout_s)
@@ -188,8 +130,6 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     if cfg.engine.executor == "inproc":
         state = build_inproc_state(cfg)
     else:
-        from executor.proxy import StartupError
-
         try:
             state = build_lattice_state(cfg, Path(args.log_dir))
         except StartupError as err:

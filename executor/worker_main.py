@@ -1,12 +1,15 @@
 """Entry point of one worker rank: ``mpiexec -n TP python -m executor.worker_main --ipc-dir DIR``.
 
 Start-up handshake with the server's proxy (frontend 0), over a DEALER → ROUTER socket:
-1. every rank sends ``("hello", rank, pid, start_time)`` as soon as MPI is up, so the proxy knows
-   the pids even of ranks that later fail;
-2. each rank loads its engine shard; a failure sends ``("failed", rank, cause)`` and exits 1;
-3. rank 0 binds the ingress, every rank sends ``("ready", rank, info)``;
-4. each rank waits for ``("ack",)`` (bounded) and only then serves: the proxy attaches its death
+1. every rank sends :class:`RankHello` (rank, pid, start time) as soon as MPI is up, so the proxy
+   knows the pids even of ranks that later fail;
+2. each rank loads its engine shard; a failure sends :class:`RankFailed` (cause) and exits 1;
+3. rank 0 binds the ingress and starts its role, every rank sends :class:`RankReady`;
+4. each rank waits for :class:`Ack` (bounded) and only then serves: the proxy attaches its death
    callbacks after acking, so a rank that dies during start-up takes the start-up failure path.
+
+Rank 0 then runs :class:`executor.engine_loop.EngineLoop` over
+:class:`executor.lane_transport.LaneTransport`; the followers run rank 0's plans.
 
 The launch spec (``spec.json``: the server config, the worker-role plugin, socket addresses) and
 the HMAC key (``key``) are files in the private IPC directory.
@@ -25,6 +28,7 @@ from pathlib import Path
 import zmq
 
 from executor.ipc import Codec
+from executor.messages import Ack, RankFailed, RankHello, RankReady
 from executor.monitor import proc_start_time
 
 log = logging.getLogger("pdserve.worker")
@@ -66,7 +70,7 @@ def init_tensor_parallel(comm, rank: int, size: int, timeout_s: float):
 def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
     """Load this rank's engine shard; rank 0 also builds the worker role. Returns (engine, role, info)."""
     from engine.llm_engine import LLMEngine
-    from executor.server_main import engine_config, kv_layout, load_plugin
+    from executor.server_setup import engine_config, kv_layout, load_plugin
     from pdserve.config import ServerConfig
 
     if os.environ.get(CRASH_ENV) == str(rank):
@@ -131,47 +135,46 @@ def main(argv: list[str] | None = None) -> int:
     zctx = zmq.Context()
     hs = _handshake_socket(zctx, spec["ready_addr"], rank)
     pid = os.getpid()
-    hs.send(codec.encode(("hello", rank, pid, proc_start_time(pid))))
+    hs.send(codec.encode(RankHello(rank, pid, proc_start_time(pid))))
     try:
         tp = init_tensor_parallel(comm, rank, size, float(spec.get("tp_timeout_s", 600)))
         engine, role, info = build_worker(spec, rank, size, tp, ipc)
         comm.Barrier()  # every rank's KV cache file exists before rank 0 maps them
-        loop = None
+        loop = transport = None
         if rank == 0:
-            from executor.worker_loop import WorkerLoop
+            from executor.engine_loop import EngineLoop
+            from executor.lane_transport import LaneTransport
 
-            loop = WorkerLoop(engine, role, codec, spec["ingress_addr"], spec["lane_addrs"],
-                              rank_shards(engine, info, ipc, size),
-                              frontend=(spec["frontend_pid"], spec.get("frontend_start_time")))
+            transport = LaneTransport(codec, spec["ingress_addr"], spec["lane_addrs"],
+                                      frontend=(spec["frontend_pid"], spec.get("frontend_start_time")))
+            loop = EngineLoop(engine, role, transport, rank_shards(engine, info, ipc, size))
     except Exception as err:  # noqa: BLE001 - reported to the proxy, then the rank exits
         cause = f"{type(err).__name__}: {err}"
         log.error("start-up failed: %s\n%s", cause, traceback.format_exc())
-        hs.send(codec.encode(("failed", rank, cause)))
+        hs.send(codec.encode(RankFailed(rank, cause)))
         hs.close()
         return 1
-    hs.send(codec.encode(("ready", rank, info)))
+    hs.send(codec.encode(RankReady(rank, info)))
     if not hs.poll(ACK_TIMEOUT_MS):
         log.error("no ack from the proxy within %d ms; exiting", ACK_TIMEOUT_MS)
         return 1
-    codec.decode(hs.recv())
+    if not isinstance(codec.decode(hs.recv()), Ack):
+        log.error("the proxy answered READY with something other than an ack; exiting")
+        return 1
     log.info("serving")
     if loop is None:  # a tensor-parallel follower: run rank 0's plans until it says stop
         engine.run_follower()
         hs.close()
         return 0
     try:
-        loop.run()
-    except Exception as err:  # noqa: BLE001 - the engine is dead: tell the frontends, exit non-zero
-        log.exception("worker loop failed")
-        loop.broadcast_dead(f"worker rank {rank} failed: {type(err).__name__}: {err}")
-        return 1
+        ok = loop.run_or_report(f"worker rank {rank}")  # a failure: the frontends learn the engine is dead
     finally:
         if size > 1:
             engine.stop_followers()
-        loop.close()
+        transport.close()
         hs.close()
         zctx.term()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""What every process of one server builds from its :class:`ServerConfig` (a leaf of the executor).
+
+The role plugins table, the mapping of the topology's engine settings onto the engine's config,
+the KV layout of each TP rank, and the HTTP state of one frontend. Frontend 0
+(``executor.server_main``), attached frontends (``executor.frontends``), the proxy and the worker
+ranks (``executor.worker_main``) all import these from here, so none of them imports another's
+entry point (no import circle; ``tests/executor/test_import_graph.py`` checks).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from executor.http_server import ServerState
+from executor.metrics import RoleStatsCollector, ServerMetrics
+from executor.phases import ColocatedPhase
+from pdserve.config import ServerConfig
+from pdserve.protocol import KVLayoutModel
+
+# Each role names two plugins by import path, so that the executor never imports the role
+# packages (arrows point ctx_worker/gen_worker -> executor): the worker side (next to the engine:
+# KV parking, serving, pulling) and the frontend side (phase handlers and routes).
+ROLE_PLUGINS: dict[str, tuple[str, str]] = {
+    "ctx": ("ctx_worker.kv_role:make_worker_role", "ctx_worker.context_phase:setup_ctx_frontend"),
+    "gen": ("gen_worker.kv_role:make_worker_role", "gen_worker.generation_phase:setup_gen_frontend"),
+}
+
+
+def worker_plugin(role: str) -> str:
+    """Import path of the worker side of ``role`` ("ctx" or "gen"). Raises KeyError."""
+    return ROLE_PLUGINS[role][0]
+
+
+def load_plugin(path: str) -> Callable:
+    """Import ``module:attribute``."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def engine_config(cfg: ServerConfig, kv_cache_file: str | None = None):
+    """Map the topology's engine settings onto the engine's own config."""
+    from engine.config import EngineConfig
+
+    e = cfg.engine
+    extra = {"kv_cache_file": kv_cache_file} if kv_cache_file else {}
+    return EngineConfig(model=cfg.model.path, dtype=e.dtype, block_size=e.block_size, num_kv_blocks=e.num_kv_blocks,
+                        max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
+                        max_model_len=e.max_model_len, num_threads=e.num_threads,
+                        kv_cache_huge_pages=e.kv_cache_huge_pages, **extra)
+
+
+def kv_layout(cfg: ServerConfig, engine, tp_rank: int = 0, tp_size: int = 1) -> KVLayoutModel:
+    """The KV layout of TP rank ``tp_rank`` of ``tp_size`` (its share of the KV heads)."""
+    from engine.tp import kv_head_range
+
+    mc = engine.model_config
+    lo, hi = kv_head_range(mc.num_kv_heads, tp_rank, tp_size)
+    return KVLayoutModel(model=cfg.model.name, num_layers=mc.num_layers, num_kv_heads=hi - lo,
+                         head_dim=mc.head_dim, block_size=cfg.engine.block_size, dtype=cfg.engine.dtype,
+                         tp_rank=tp_rank, tp_size=tp_size)
+
+
+def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int,
+               layouts: list[KVLayoutModel] | None = None) -> ServerState:
+    """The HTTP state of one frontend, with the role's handlers and routes added."""
+    from kv_transfer.factory import resolve_backend
+
+    backend = resolve_backend(cfg.kv_transfer.backend)
+    metrics = ServerMetrics(cfg.role, backend)
+    metrics.role_stats = RoleStatsCollector(client.stats)
+    metrics.registry.register(metrics.role_stats)
+    state = ServerState(config=cfg, client=client, handlers={"context_and_generation": ColocatedPhase(client)},
+                        metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
+                        kv_layouts=list(layouts or [layout]))
+    load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
+    return state

@@ -1,0 +1,125 @@
+"""The frontend half of the engine-loop protocol, shared by both :class:`EngineClient` implementations.
+
+A :class:`WorkerClient` turns the EngineClient calls into :mod:`executor.messages` commands (sent
+by the subclass's ``_send``: a queue in process, a zmq PUSH in the lattice) and routes the engine
+loop's events back: outputs to the request's stream, replies to the waiting control call, stats
+snapshots to :meth:`stats`, ``EngineDead`` to the sticky dead state. :meth:`dispatch` is
+thread-safe (called by a lane's receiver thread or by the in-process loop thread).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
+from executor.ipc import make_client_id
+from executor.messages import (AbortRequest, AddRequest, Command, Drain, EngineDead, Event, Output, ReleaseLease,
+                               Reply, StatsQuery, StatsSnapshot)
+from executor.streams import StreamRegistry
+
+if TYPE_CHECKING:
+    from engine.request import EngineRequest
+    from pdserve.protocol import DisaggregatedParams
+
+REPLY_TIMEOUT_S = 10.0  # a control call (lease release) waits at most this long for the engine loop
+STATS_TIMEOUT_S = 1.0   # fresh stats: /metrics and /server_info answer with the pushed snapshot after this
+
+
+class WorkerClient(EngineClient):
+    """Streams, control calls and the stats snapshot of one frontend (lane ``frontend_id``)."""
+
+    def __init__(self, frontend_id: int, state: EngineState) -> None:
+        self.frontend_id = frontend_id
+        self._seq = itertools.count(1)
+        self._requests = StreamRegistry(state)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._stats: dict = {"free_blocks": 0, "total_blocks": 0}
+
+    @abc.abstractmethod
+    def _send(self, cmd: Command) -> None:
+        """Hand ``cmd`` to the engine loop. Raises EngineNotServingError when it cannot be queued."""
+
+    def _stats_extra(self) -> dict:
+        """Frontend-side keys added to every stats answer."""
+        return {}
+
+    # ---- EngineClient ---------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return self._requests.state
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._requests.dead_reason
+
+    def stats(self) -> dict:
+        return {**self._stats, **self._stats_extra()}
+
+    async def generate(self, request: "EngineRequest",
+                       disagg: "DisaggregatedParams | None" = None) -> AsyncIterator[object]:
+        stream = self._requests.register(request.request_id)
+        try:
+            self._send(AddRequest(make_client_id(self.frontend_id, next(self._seq)), request, disagg))
+        except EngineNotServingError as err:
+            stream.put(err)  # raised by consume(), which also forgets the stream
+        async for item in self._requests.consume(request.request_id, stream, self.abort):
+            yield item
+
+    def abort(self, request_id: str) -> None:
+        if self.state != EngineState.DEAD:
+            self._send(AbortRequest(request_id))
+
+    async def release_lease(self, ctx_request_id: str) -> bool:
+        if self.state == EngineState.DEAD:
+            return False
+        return bool(await self._call(lambda call_id: ReleaseLease(call_id, ctx_request_id)))
+
+    async def fresh_stats(self) -> dict:
+        if self.state == EngineState.DEAD:
+            return self.stats()
+        return {**await self._call(StatsQuery, timeout_s=STATS_TIMEOUT_S), **self._stats_extra()}
+
+    async def _call(self, make: Callable[[int], Command], timeout_s: float = REPLY_TIMEOUT_S) -> object:
+        """A request/reply with the engine loop: ``make(call_id)`` is the command; bounded by
+        ``timeout_s`` (raises TimeoutError; EngineDeadError if the engine dies meanwhile)."""
+        call_id = make_client_id(self.frontend_id, next(self._seq))
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(make(call_id))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def drain(self) -> None:
+        self._requests.transition(EngineState.SERVING, EngineState.DRAINING)
+        self._send(Drain())
+
+    # ---- events from the engine loop (any thread) -----------------------------------------
+    def dispatch(self, event: Event) -> None:
+        """Route one event of the engine loop."""
+        if isinstance(event, Output):
+            stream = self._requests.get(event.request_id)
+            if stream is not None:
+                stream.put(event.item)
+        elif isinstance(event, StatsSnapshot):
+            self._stats = event.stats
+            if event.stats.get("state") == EngineState.DRAINING.value:
+                self._requests.transition(EngineState.SERVING, EngineState.DRAINING)
+        elif isinstance(event, Reply):
+            fut = self._calls.get(event.call_id)
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(lambda: fut.done() or fut.set_result(event.value))
+        elif isinstance(event, EngineDead):
+            self._die(event.reason)
+
+    def _die(self, reason: str, log_error: bool = True) -> None:
+        """Dead for good (sticky): fail every pending request and control call, refuse new ones."""
+        self._requests.die(reason, log_error)
+        error = EngineDeadError(f"engine is dead: {self.dead_reason}")
+        for fut in list(self._calls.values()):
+            fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(error))
