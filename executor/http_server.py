@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -21,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import RequestValidationError
@@ -39,8 +38,8 @@ from executor.openai_adapter import (
     sampling_params,
 )
 from executor.phases import PhaseAnswer, PhaseError, PhaseHandler
+from pdserve.asgi_guard import ErrorBoundary
 from pdserve.config import ServerConfig
-from pdserve.config import format_validation_error
 from pdserve.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -52,6 +51,7 @@ from pdserve.protocol import (
     now_s,
     sse_event,
 )
+from pdserve.request_body import BodyError, decode_json, read_limited, validate_request, validation_message
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,16 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its
 class ApiError(Exception):
     """An error answered as an OpenAI error body with HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 close_connection: bool = False):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.close_connection = close_connection  # a 413 left the body unread
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status)
+        headers = {"connection": "close"} if self.close_connection else None
+        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status,
+                            headers=headers)
 
 
 @dataclass
@@ -105,19 +109,16 @@ def map_error(err: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(err).__name__}: {err}", "internal_error")
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """Decode and validate a JSON body. Raises ApiError 400 (malformed JSON) or 422 (schema)."""
-    raw = await request.body()
+async def read_request(request: Request, model: type[BaseModel]) -> BaseModel:
+    """Read, decode and validate a client body by the shared rules of :mod:`pdserve.request_body`.
+
+    Raises ApiError 413 (over ``MAX_BODY_BYTES``; the connection is then closed), 400 (not strict
+    JSON, not an object, too deep) or 422 (schema; ``param`` names the field).
+    """
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"malformed JSON body: {err}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the JSON body must be an object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise ApiError(422, format_validation_error(err).replace("\n", "; ")) from None
+        return validate_request(decode_json(await read_limited(request)), model)
+    except BodyError as err:
+        raise ApiError(err.status, err.message, param=err.param, close_connection=err.close_connection) from None
 
 
 class FrontendHeader:
@@ -154,7 +155,8 @@ def create_server_app(state: ServerState) -> FastAPI:
     app = FastAPI(title=f"pdserve {state.config.role} server", lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app)
-    app.add_middleware(FrontendHeader, frontend_id=state.frontend_id)
+    app.add_middleware(ErrorBoundary, name=f"{state.config.role} server")
+    app.add_middleware(FrontendHeader, frontend_id=state.frontend_id)  # outermost: on error bodies too
 
     _add_info_routes(app, state)
     for router in state.routers:
@@ -182,7 +184,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(FastAPIValidationError)
     async def _validation_error(_: Request, err: FastAPIValidationError) -> JSONResponse:
-        return ApiError(422, str(err.errors())).response()
+        message, param = validation_message(list(err.errors()))
+        return ApiError(422, message, param=param).response()
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -232,7 +235,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
-    body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
+    body = await read_request(request, ChatCompletionRequest if chat else CompletionRequest)
     cfg = state.config
     if body.model != cfg.model.name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{cfg.model.name}`",

@@ -1,7 +1,9 @@
 """OpenAI bodies ↔ engine requests and outputs (no HTTP here).
 
 Defaults follow the OpenAI API: temperature 1.0, top_p 1.0; ``/v1/completions`` max_tokens 16;
-``/v1/chat/completions`` without max_tokens generates up to the context window.
+``/v1/chat/completions`` without max_tokens generates up to the context window. A temperature
+below :data:`MIN_TEMPERATURE` samples greedily (as in vLLM): dividing logits by 1e-300 overflows
+to inf, and the NaN probabilities that follow would fail the engine step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from pdserve.protocol import (
 )
 
 
+MIN_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
+
+
 class BadRequest(ValueError):
     """The body is valid JSON of the right shape but cannot be served (HTTP 400)."""
 
@@ -40,7 +45,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
     """The engine's sampling parameters for an OpenAI body."""
     return SamplingParams(
         max_tokens=body.effective_max_tokens(),
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=_temperature(body.temperature),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,
         seed=body.seed,
@@ -48,6 +53,12 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
     )
+
+
+def _temperature(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    return 0.0 if value < MIN_TEMPERATURE else value
 
 
 def prompt_token_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer, vocab_size: int) -> list[int]:

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.asgi_guard import ErrorBoundary
 from pdserve.auth import admin_token, check_bearer
 from pdserve.config import Role, Topology
 from pdserve.kv_pairing import join_layout
@@ -36,7 +37,7 @@ from .pools import ROLES, ClusterPools, HealthPoller
 from .prompt_tokens import PromptTokenizer
 from .router import Router, make_routers
 from .tasks import TaskOwner
-from .validation import parse_body, validation_message
+from .validation import read_client_body, validation_message
 
 log = logging.getLogger("orchestrator.app")
 
@@ -147,6 +148,7 @@ def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None
     app = FastAPI(title="pdserve orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.orchestrator = orch
     install_error_handlers(app)
+    app.add_middleware(ErrorBoundary, name="orchestrator")
     add_openai_routes(app, orch)
     add_cluster_routes(app, orch)
     add_control_routes(app, orch)
@@ -202,7 +204,7 @@ def add_openai_routes(app: FastAPI, orch: Orchestrator) -> None:
     async def serve(request: Request, endpoint: str) -> Response:
         status = 500
         try:
-            body = parse_body(await request.body(), endpoint, orch.topology.model.name)
+            body = await read_client_body(request, endpoint, orch.topology.model.name)
             assert orch.flow is not None, "app not started"
             response = await _unless_disconnected(request, orch.flow.handle(Exchange(endpoint, body)))
             if response is None:

@@ -27,6 +27,7 @@ class OrchestratorError(Exception):
         code: OpenAI ``code`` field (defaults to ``status``).
         param: the request field at fault, if any.
         kind: a short label for the ``errors_total{kind}`` metric.
+        close_connection: answer with ``Connection: close`` (a 413 left the body unread).
     """
 
     def __init__(self, status: int, message: str, *, code: int | str | None = None,
@@ -38,12 +39,14 @@ class OrchestratorError(Exception):
         self.param = param
         self.kind = kind
         self.type_ = type_ or error_type(status)
+        self.close_connection = False
 
     def body(self) -> dict:
         return error_body(self.message, self.type_, self.code, self.param)  # type: ignore[arg-type]
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"connection": "close"} if self.close_connection else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class UpstreamRejected(OrchestratorError):

@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 RequestType = Literal["context_only", "generation_only", "context_and_generation"]
+
+# Integer bounds of the wire: every integer a client sends fits a signed 64-bit word (OpenAI's
+# ``seed`` is int64), every token id a signed 32-bit one (no vocabulary comes near 2**31), so no
+# huge integer (2**70) reaches code that packs, hashes or indexes with it.
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Positive = Annotated[int, Field(ge=1, le=INT64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+# Where a ctx rank serves its parked blocks: ``tcp://host:port`` or ``ucx://<worker address>``.
+KVEndpoint = Annotated[str, Field(pattern=r"^(tcp|ucx)://\S+$", max_length=4096)]
 
 
 class KVLayoutModel(BaseModel):
@@ -27,13 +38,19 @@ class KVLayoutModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     model: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
+    num_layers: Positive
+    num_kv_heads: Positive
+    head_dim: Positive
+    block_size: Positive
     dtype: str
-    tp_rank: int = 0
-    tp_size: int = 1
+    tp_rank: Count = 0
+    tp_size: Positive = 1
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> "KVLayoutModel":
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not a rank of a group of {self.tp_size}")
+        return self
 
 
 class DisaggregatedParams(BaseModel):
@@ -49,13 +66,13 @@ class DisaggregatedParams(BaseModel):
     request_type: RequestType
     disagg_request_id: str | None = None
     ctx_request_id: str | None = None
-    first_gen_tokens: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    kv_endpoint: str | None = None
+    first_gen_tokens: list[TokenId] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    kv_endpoint: KVEndpoint | None = None
     kv_layout: KVLayoutModel | None = None
-    kv_endpoints: list[str] | None = None          # one per ctx TP rank (rank order); [0] == kv_endpoint
+    kv_endpoints: list[KVEndpoint] | None = None   # one per ctx TP rank (rank order); [0] == kv_endpoint
     kv_layouts: list[KVLayoutModel] | None = None  # one per ctx TP rank; [0] == kv_layout
-    kv_block_count: int | None = None
+    kv_block_count: Count | None = None
     lease_deadline: float | None = None
 
     @model_validator(mode="after")
@@ -65,7 +82,22 @@ class DisaggregatedParams(BaseModel):
                        if getattr(self, k) is None]
             if missing:
                 raise ValueError(f"generation_only requests need {', '.join(missing)} (from the ctx server's answer)")
+            self._check_kv_source()
         return self
+
+    def _check_kv_source(self) -> None:
+        """One endpoint per ctx rank, layouts in rank order, and no more blocks than the prompt fills."""
+        layouts = self.kv_layouts if self.kv_layouts is not None else [self.kv_layout]
+        endpoints = self.kv_endpoints if self.kv_endpoints is not None else [self.kv_endpoint]
+        if not layouts or len(endpoints) != len(layouts):
+            raise ValueError(f"{len(endpoints)} kv_endpoints for {len(layouts)} kv_layouts: one of each per ctx TP rank")
+        if any(x.tp_rank != i or x.tp_size != len(layouts) for i, x in enumerate(layouts)):
+            raise ValueError(f"kv_layouts must be ranks 0..{len(layouts) - 1} of a group of {len(layouts)}, in order")
+        block_size = layouts[0].block_size
+        needed = -(-len(self.prompt_token_ids or []) // block_size)
+        if self.kv_block_count is not None and self.kv_block_count > needed:
+            raise ValueError(f"kv_block_count {self.kv_block_count} is more than the {needed} blocks "
+                             f"{len(self.prompt_token_ids or [])} prompt tokens fill")
 
 
 class StreamOptions(BaseModel):
@@ -80,10 +112,10 @@ class _SamplingFields(BaseModel):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="pdserve extension; -1/0 = disabled")
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX, description="pdserve extension; -1/0 = disabled")
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: StrictBool = False  # strict: "false" must not pass for a boolean (it would be truthy elsewhere)
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
@@ -132,8 +164,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: StrictBool = Field(False, description="not supported: only false")
     add_generation_prompt: StrictBool = True
 
@@ -149,8 +181,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     echo: StrictBool = Field(False, description="not supported: only false")
     logprobs: int | None = Field(None, description="not supported")
     suffix: str | None = None
