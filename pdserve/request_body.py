@@ -33,6 +33,7 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 # → part); JSON schemas a few dozen. Past this, later encoders could hit Python's recursion limit.
 MAX_JSON_DEPTH = 128
 
+_CONTAINERS = {dict, list}
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # A surrogate can only come from a \\uD800-\\uDFFF escape (strict UTF-8 refuses encoded ones).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -109,7 +110,8 @@ def decode_json(raw: bytes) -> dict:
 def check_tree(body: dict, strings: bool = True) -> None:
     """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and (``strings``) lone surrogates.
 
-    Iterative (a recursive walk would itself overflow). Raises BodyError 400.
+    Iterative (a recursive walk would itself overflow). A list without containers (token ids) is
+    skipped at C speed. Raises BodyError 400.
     """
     stack: list[tuple[object, int]] = [(body, 1)]
     while stack:
@@ -117,10 +119,11 @@ def check_tree(body: dict, strings: bool = True) -> None:
         if depth > MAX_JSON_DEPTH:
             raise BodyError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
         items = node.values() if isinstance(node, dict) else node
-        if strings and isinstance(node, dict):
-            _check_strings(node.keys())
         if strings:
+            _check_strings(node.keys() if isinstance(node, dict) else ())
             _check_strings(items)
+        if isinstance(node, list) and not _CONTAINERS.intersection(map(type, node)):
+            continue
         stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
 
 
