@@ -14,7 +14,7 @@ def fuzz_model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("fuzz-tiny"), seed=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")  # shared by tests/fuzz/*, stopped after them
 def inproc_cluster(fuzz_model_dir, tmp_path_factory):
     cluster = InProcessCluster.start(fuzz_model_dir, tmp_path_factory.mktemp("fuzz-cluster"))
     yield cluster
