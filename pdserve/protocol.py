@@ -25,9 +25,10 @@ INT64_MAX = 2**63 - 1
 Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Positive = Annotated[int, Field(ge=1, le=INT64_MAX)]
+TokenIdLax = Annotated[int, Field(ge=0, le=2**31 - 1)]  # where a lax int was accepted before ("5", 5.0)
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 # Where a ctx rank serves its parked blocks: ``tcp://host:port`` or ``ucx://<worker address>``.
-KVEndpoint = Annotated[str, Field(pattern=r"^(tcp|ucx)://\S+$", max_length=4096)]
+KVEndpoint = Annotated[str, Field(pattern=r"^(tcp|ucx)://\S+$", max_length=65536)]  # UCX worker addresses run to kilobytes
 
 
 class KVLayoutModel(BaseModel):
@@ -66,8 +67,8 @@ class DisaggregatedParams(BaseModel):
     request_type: RequestType
     disagg_request_id: str | None = None
     ctx_request_id: str | None = None
-    first_gen_tokens: list[TokenId] | None = None
-    prompt_token_ids: list[TokenId] | None = None
+    first_gen_tokens: list[TokenIdLax] | None = None
+    prompt_token_ids: list[TokenIdLax] | None = None
     kv_endpoint: KVEndpoint | None = None
     kv_layout: KVLayoutModel | None = None
     kv_endpoints: list[KVEndpoint] | None = None   # one per ctx TP rank (rank order); [0] == kv_endpoint
@@ -115,7 +116,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX, description="pdserve extension; -1/0 = disabled")
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenIdLax] | None = None
     stream: StrictBool = False  # strict: "false" must not pass for a boolean (it would be truthy elsewhere)
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")

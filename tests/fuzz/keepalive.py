@@ -45,9 +45,17 @@ class KeepAlive:
     def _read(self) -> Answer:
         status, headers, chunks = 0, {}, []
         while True:
-            event = self.conn.next_event()
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError as err:
+                self.closed = True
+                raise ConnectionDropped(f"not HTTP/1.1: {err}") from None
             if event is h11.NEED_DATA:
-                data = self.sock.recv(1 << 16)
+                try:
+                    data = self.sock.recv(1 << 16)
+                except ConnectionError as err:  # a timeout (TimeoutError) is not a drop: it propagates
+                    self.closed = True
+                    raise ConnectionDropped(f"recv failed: {err}") from None
                 if not data:
                     self.closed = True
                     raise ConnectionDropped("EOF before the answer ended")

@@ -2,8 +2,8 @@
 
     python -m tests.fuzz.run --url http://127.0.0.1:8000 --kind orchestrator --n 1000 --model NAME
 
-A dropped connection (EOF, or ``Connection: close`` after anything but a 413) counts as a failure
-with status 599, and the run reconnects. Exit status 0 when every case passed, 1 otherwise.
+A dropped connection (EOF, reset, or ``Connection: close`` after anything but a 413) or a read
+that times out counts as a failure with status 599, and the run reconnects. Exit status 0 when every case passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DROPPED = 599  # not an HTTP status: marks a connection the server dropped
 class SocketSender:
     """``send`` for :func:`run_cases` over one :class:`KeepAlive` connection (reconnects after a drop)."""
 
-    def __init__(self, url: str, timeout_s: float = 20.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 15.0) -> None:  # under harness.CASE_TIMEOUT_S
         parts = urlsplit(url)
         self.host, self.port, self.timeout_s = parts.hostname or "127.0.0.1", parts.port or 80, timeout_s
         self.conn = KeepAlive(self.host, self.port, timeout_s)
@@ -41,6 +41,9 @@ class SocketSender:
         except ConnectionDropped as err:
             self._reconnect()
             return Answer(DROPPED, {}, f"connection dropped: {err}".encode())
+        except TimeoutError:  # a hang: the connection is mid-answer, so it cannot be reused
+            self._reconnect()
+            return Answer(DROPPED, {}, f"no answer within {self.timeout_s} s".encode())
         if self.conn.closed:
             self._reconnect()
             if answer.status != 413:

@@ -84,3 +84,12 @@ def test_error_boundary_answers_500_json_and_keeps_the_connection():
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+@pytest.mark.parametrize("temperature,effective", [(1e-300, 0.0), (4.9e-324, 0.0), (0.0, 0.0), (1e-5, 1e-5),
+                                                   (None, 1.0), (0.7, 0.7)])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature, effective):
+    from executor.openai_adapter import sampling_params
+
+    body = validate_request({"model": "m", "prompt": "x", "temperature": temperature}, CompletionRequest)
+    assert sampling_params(body).temperature == effective

@@ -49,3 +49,12 @@ def test_oversized_body_is_413_and_closes_only_that_connection(tiny_cluster, kin
     path, probe = probe_request(tiny_cluster.model)
     assert probe_text(fresh.request("POST", path, probe, {"content-type": "application/json"}))
     fresh.close()
+
+
+def test_fuzz_cli_against_a_live_orchestrator(tiny_cluster, capsys):
+    from tests.fuzz.run import main
+
+    assert main(["--url", tiny_cluster.url, "--kind", "orchestrator", "--n", "40", "--seed", "3",
+                 "--model", tiny_cluster.model]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("0 failures") and "connections used: 1" in out
