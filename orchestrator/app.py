@@ -84,8 +84,9 @@ class Orchestrator:
                                    s.health_failure_threshold, s.heartbeat_ttl_s)
         if self.needs_tokens:
             self.tokenizer = PromptTokenizer(self.client, [self.pools.gen, self.pools.ctx])
+        ctx_engine = self.topology.pool_engine("ctx")
         self.flow = DisaggFlow(self.pools, self.routers, self.client, s, self.metrics, self.tasks, self.tokenizer,
-                               self.topology.pool_engine("ctx").block_size)
+                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype)
         backend = self._backend or make_backend(self.topology, self.config_path)
         if backend is not None:
             self.fleet = Fleet(self.topology, self.pools, backend, self.client, self.tasks)

@@ -83,7 +83,8 @@ class DisaggFlow:
 
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: httpx.AsyncClient,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
-                 tokenizer: PromptTokenizer | None = None, block_size: int = 16) -> None:
+                 tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
+                 dtype: str = "") -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -92,6 +93,7 @@ class DisaggFlow:
         self._tasks = tasks
         self._tokenizer = tokenizer
         self._block_size = block_size
+        self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
         if self._tokenizer is None:
@@ -99,7 +101,8 @@ class DisaggFlow:
         ids = await self._tokenizer.token_ids(ex.endpoint, ex.body)
         if ids is None:
             return None
-        return RouteHint(block_hashes(ids, self._block_size), len(ids))
+        return RouteHint(block_hashes(ids, self._block_size, self._model, self._dtype, ex.body.get("cache_salt")),
+                         len(ids))
 
     def _is_short(self, hint: RouteHint | None) -> bool:
         limit = self._settings.max_local_prefill_length
