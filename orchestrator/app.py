@@ -34,6 +34,7 @@ from .errors import OrchestratorError, error_response
 from .metrics import Metrics
 from .fleet import Backend, Fleet, ScaleError
 from .pools import ROLES, ClusterPools, HealthPoller
+from .prefix_admin import add_prefix_cache_routes
 from .prompt_tokens import PromptTokenizer
 from .router import Router, make_routers
 from .tasks import TaskOwner
@@ -153,6 +154,7 @@ def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None
     add_openai_routes(app, orch)
     add_cluster_routes(app, orch)
     add_control_routes(app, orch)
+    add_prefix_cache_routes(app, orch)  # POST /reset_prefix_cache (fans out to every server)
     return app
 
 
