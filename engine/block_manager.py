@@ -52,6 +52,7 @@ class BlockManager:
         return len(self._by_hash)
 
     def ref_count(self, block_id: int) -> int:
+        """How many block tables hold block_id (0: free or evictable)."""
         return self._ref[block_id]
 
     def blocks_needed(self, num_tokens: int) -> int:

@@ -71,6 +71,7 @@ class BlockHasher:
     block_size: int
 
     def root(self, cache_salt: str | None = None) -> bytes:
+        """The parent hash of block 0 for ``cache_salt`` (see :func:`root_hash`)."""
         return root_hash(self.model, self.dtype, self.block_size, cache_salt)
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
