@@ -138,10 +138,15 @@ def test_preemption_rehits_the_cache(tiny_engine_factory, engines):
     preempts = []
     orig = eng.scheduler.preempt
     eng.scheduler.preempt = lambda seq: (preempts.append(seq.request_id), orig(seq))
+    lookups = []
+    reuse = eng.scheduler._reuse_prefix
+    eng.scheduler._reuse_prefix = lambda seq, hit: (lookups.append((seq.request_id, len(hit))), reuse(seq, hit))
     shared = _tokens(8, start=5)
     prompts = [shared + [900 + i] for i in range(6)]
     res = run_all(eng, [EngineRequest(f"p{i}", p, greedy(16)) for i, p in enumerate(prompts)])
     assert preempts, "the small cache should force preemption"
+    readmitted = [hit for rid in set(preempts) for hit in [h for r, h in lookups if r == rid][1:]]
+    assert readmitted and max(readmitted) >= 2   # a recompute after preemption re-hit the cache
     for i, p in enumerate(prompts):
         assert res[f"p{i}"]["tokens"] == _one(off, f"r{i}", p, n=16)[0]
     assert eng.stats()["prefix_cache_hits"] > 0
