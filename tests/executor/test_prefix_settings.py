@@ -1,5 +1,5 @@
 """engine.enable_prefix_caching and the served model name flow from the topology to the engine."""
-from executor.server_main import engine_config
+from executor.server_setup import engine_config
 from pdserve.config import parse_topology
 
 
