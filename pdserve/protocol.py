@@ -76,7 +76,7 @@ class DisaggregatedParams(BaseModel):
     kv_layouts: list[KVLayoutModel] | None = None  # one per ctx TP rank; [0] == kv_layout
     kv_block_count: Count | None = None
     lease_deadline: float | None = None
-    cached_tokens: int | None = Field(None, ge=0, description="ctx answer: prompt tokens its prefix cache held")
+    cached_tokens: Count | None = Field(None, description="ctx answer: prompt tokens its prefix cache held")
 
     @model_validator(mode="after")
     def _generation_only_has_ctx_state(self) -> "DisaggregatedParams":
@@ -127,7 +127,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    cache_salt: str | None = Field(None, min_length=1, description="vLLM's field: requests with different "
+    cache_salt: str | None = Field(None, min_length=1, max_length=4096, description="vLLM's field: requests with different "
                                    "salts never share prefix-cache blocks (e.g. one salt per tenant)")
     disaggregated_params: DisaggregatedParams | None = None
 
