@@ -42,46 +42,52 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: t
     cache_v[meta.slot_blocks, meta.slot_offsets] = v
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int,
-            group: int) -> torch.Tensor:
-    """Blocks [..., nb] of a layer view -> contiguous [..., heads, ctx_len, head_dim] (a copy).
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """Blocks [..., nb] of a layer view -> contiguous [..., kv_heads, ctx_len, head_dim] (a copy).
 
-    index_select (not `cache[ids]`) and a contiguous, GQA-expanded result: both are many times
-    faster on CPU than advanced indexing of the strided view and SDPA's enable_gqa path.
+    index_select (not `cache[ids]`): many times faster on CPU than advanced indexing of the
+    strided view. The KV heads are not expanded to the query heads (see _decode, _prefill).
     """
     x = cache.index_select(0, block_ids.flatten())         # [D*nb, bs, kvh, hd]
     x = x.view(*block_ids.shape, *cache.shape[1:])          # [..., nb, bs, kvh, hd]
     x = x.flatten(-4, -3)[..., :ctx_len, :, :]             # [..., ctx, kvh, hd]
-    return _expand_heads(x.transpose(-3, -2), group)
-
-
-def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
-    """[..., kvh, S, hd] -> contiguous [..., kvh*group, S, hd] (each KV head serves `group` q heads)."""
-    return x.repeat_interleave(group, dim=-3) if group > 1 else x.contiguous()
+    return x.transpose(-3, -2).contiguous()
 
 
 def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-    """q: [D, heads, hd] -> [D, heads, hd]."""
-    group = q.shape[1] // cache_k.shape[2]
-    k = _gather(cache_k, meta.decode_tables, meta.decode_max_ctx, group)   # [D, heads, S, hd]
-    v = _gather(cache_v, meta.decode_tables, meta.decode_max_ctx, group)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask)
-    return out.squeeze(2)
+    """q: [D, heads, hd] -> [D, heads, hd].
+
+    GQA without copies: the `group` query heads that share a KV head become that head's
+    "query positions" ([D, kv_heads, group, hd] against K/V [D, kv_heads, S, hd]); a decode
+    token attends to its whole context, so no causal mask is lost. Query head h uses KV head
+    h // group, as HF's repeat_kv.
+    """
+    d, heads, hd = q.shape
+    kvh = cache_k.shape[2]
+    k = _gather(cache_k, meta.decode_tables, meta.decode_max_ctx)   # [D, kvh, S, hd]
+    v = _gather(cache_v, meta.decode_tables, meta.decode_max_ctx)
+    out = F.scaled_dot_product_attention(q.view(d, kvh, heads // kvh, hd), k, v,
+                                         attn_mask=meta.decode_mask)
+    return out.reshape(d, heads, hd)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
              cache_v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-    """q: [L, heads, hd], k/v: [L, kvh, hd] of this chunk -> [L, heads, hd]."""
-    group = q.shape[1] // k.shape[1]
+    """q: [L, heads, hd], k/v: [L, kvh, hd] of this chunk -> [L, heads, hd].
+
+    4-D inputs with enable_gqa: on CPU they take SDPA's flash kernel, 3-D ones the math path
+    (3x slower at 512 tokens, plus a GQA-expanded copy of K and V).
+    """
     if chunk.mask is None:  # the chunk is the whole context: use it directly, causal
-        ks, vs = _expand_heads(k.transpose(0, 1), group), _expand_heads(v.transpose(0, 1), group)
+        ks, vs = k.transpose(0, 1), v.transpose(0, 1)
     else:
-        ks = _gather(cache_k, chunk.block_ids, chunk.ctx_len, group)
-        vs = _gather(cache_v, chunk.block_ids, chunk.ctx_len, group)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=chunk.mask,
-                                         is_causal=chunk.mask is None)
-    return out.transpose(0, 1)
+        ks = _gather(cache_k, chunk.block_ids, chunk.ctx_len)
+        vs = _gather(cache_v, chunk.block_ids, chunk.ctx_len)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks[None], vs[None],
+                                         attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -102,10 +104,16 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def add_request(self, req: EngineRequest) -> None:
-        """Queue a request. Raises RequestValidationError when it cannot be served."""
+        """Queue a request. Raises RequestValidationError when it cannot be served.
+
+        A request without a seed gets a random 63-bit one here: sampling is always keyed by
+        (seed, choice, position), see engine.sampler."""
         if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         validate_request(req, self.max_model_len, self.model_config.vocab_size)
+        if req.sampling.seed is None:  # one sampling path: an unseeded request gets a random seed
+            req = dataclasses.replace(
+                req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         detok = IncrementalDetokenizer(self.tokenizer)
         chain = self.hasher.chain(req.cache_salt) if self.config.enable_prefix_caching else None
         self.scheduler.add(Sequence(req, detok, chain))

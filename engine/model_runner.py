@@ -78,8 +78,9 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
         if not seqs:
             return {}
+        # choice index 0: one choice per sequence until n > 1 gives each choice its own stream
         tokens = self.sampler.sample(logits, [s.sampling for s in seqs],
-                                     [s.num_output_tokens for s in seqs])
+                                     [s.num_output_tokens for s in seqs], [0] * len(seqs))
         return {s.request_id: t for s, t in zip(seqs, tokens)}
 
     def _metadata(self, items: list[PlanItem], pos: torch.Tensor) -> AttentionMetadata:

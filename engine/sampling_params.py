@@ -10,7 +10,8 @@ class SamplingParams:
 
     max_tokens: output tokens at most (None = up to max_model_len).
     temperature: 0 => greedy argmax. top_p in (0, 1]; top_k <= 0 disables top-k.
-    seed: output token i is drawn with a generator seeded from (seed, i); None = engine generator.
+    seed: output token i is drawn with noise keyed by (seed, choice, i) (engine.sampler), taken
+        modulo 2**64; None = a random seed given at admission.
     stop: strings that end the output (excluded from the text); stop_token_ids: ids that end it.
     ignore_eos: keep generating after the model's EOS ids.
     """
