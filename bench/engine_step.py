@@ -6,7 +6,8 @@
 Engine level only (no HTTP, IPC or lattice): ``LLMEngine.step()`` timed with ``perf_counter``,
 so the numbers include scheduling, the plan, attention metadata, the forward, sampling and
 detokenization. Decode: B requests of ``--context`` prompt tokens are prefilled first (untimed),
-then ``--steps`` decode steps are timed; the median step is reported. Prefill: one request of
+then ``--steps`` decode steps are timed; the median step is reported, in wall time and in CPU time
+of the process (``process_time``: all its threads; steadier than wall time on a loaded machine). Prefill: one request of
 ``--prefill-len`` tokens with ``max_tokens=1`` (one step: the whole prefill plus the first
 token). ``--sampled`` uses temperature 0.8 / top-p 0.9 / top-k 50 instead of greedy. Each cell is
 the median over ``--repeats`` runs. Prints one JSON line per (dtype, case) and a table.
@@ -41,8 +42,9 @@ def prompt(engine: LLMEngine, n: int, salt: int) -> list[int]:
     return [(7919 * (i + 1) + 104729 * salt) % (vocab - 10) + 5 for i in range(n)]
 
 
-def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, sampled: bool) -> float:
-    """Median ms of one decode step with `batch` running sequences of ~`context` tokens."""
+def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int,
+                   sampled: bool) -> tuple[float, float]:
+    """Median (wall ms, CPU ms) of one decode step with `batch` sequences of ~`context` tokens."""
     for b in range(batch):
         engine.add_request(EngineRequest(f"d{b}", prompt(engine, context, b),
                                          params(steps + 4, sampled)))
@@ -51,25 +53,26 @@ def decode_step_ms(engine: LLMEngine, batch: int, context: int, steps: int, samp
         if all(s.num_computed + 1 >= s.num_tokens for s in engine.scheduler.running) \
                 and len(engine.scheduler.running) == batch:
             break
-    times = []
+    walls, cpus = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        cpus.append((time.process_time() - c0) * 1e3)
     while engine.has_work():
         engine.step()
-    return statistics.median(times)
+    return statistics.median(walls), statistics.median(cpus)
 
 
-def prefill_ms(engine: LLMEngine, length: int, sampled: bool) -> float:
-    """ms of the one step that prefills `length` tokens and samples the first token."""
+def prefill_ms(engine: LLMEngine, length: int, sampled: bool) -> tuple[float, float]:
+    """(wall ms, CPU ms) of the step that prefills `length` tokens and samples the first one."""
     engine.add_request(EngineRequest("p", prompt(engine, length, 99), params(1, sampled)))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     engine.step()
-    ms = (time.perf_counter() - t0) * 1e3
+    wall, cpu = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
     while engine.has_work():
         engine.step()
-    return ms
+    return wall, cpu
 
 
 def run(a: argparse.Namespace, dtype: str) -> list[dict]:
@@ -80,11 +83,13 @@ def run(a: argparse.Namespace, dtype: str) -> list[dict]:
     prefill_ms(engine, 64, a.sampled)
     cases = {f"decode_b{b}": lambda b=b: decode_step_ms(engine, b, a.context, a.steps, a.sampled)
              for b in a.batches}
-    cases[f"prefill_{a.prefill_len}"] = lambda: prefill_ms(engine, a.prefill_len, a.sampled)
+    if a.prefill_len:
+        cases[f"prefill_{a.prefill_len}"] = lambda: prefill_ms(engine, a.prefill_len, a.sampled)
     rows = []
     for name, fn in cases.items():
-        ms = statistics.median(fn() for _ in range(a.repeats))
-        row = {"dtype": dtype, "case": name, "ms": round(ms, 2), "threads": a.threads,
+        runs = [fn() for _ in range(a.repeats)]
+        row = {"dtype": dtype, "case": name, "ms": round(statistics.median(r[0] for r in runs), 2),
+               "cpu_ms": round(statistics.median(r[1] for r in runs), 2), "threads": a.threads,
                "sampled": a.sampled, "load1": round(os.getloadavg()[0], 2)}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -96,10 +101,10 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     p.add_argument("--context", type=int, default=128, help="prompt tokens of each decode request")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
-    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--prefill-len", type=int, default=512, help="0 = no prefill case")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sampled", action="store_true")
     p.add_argument("--json", type=Path, help="also write every row to this file")
@@ -107,9 +112,9 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     rows = [r for dtype in a.dtype for r in run(a, dtype)]
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    print("| dtype | case | ms |\n|---|---|---:|")
+    print("| dtype | case | wall ms | CPU ms |\n|---|---|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['case']} | {r['ms']:.1f} |")
+        print(f"| {r['dtype']} | {r['case']} | {r['ms']:.1f} | {r['cpu_ms']:.1f} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
 

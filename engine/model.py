@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from engine.layers import RotaryTable, apply_rope, linear, rms_norm, swiglu
 from engine.model_config import ModelConfig
 from engine.tp import NO_TP, TPContext, all_reduce, kv_head_range, split_range
 
@@ -88,39 +88,44 @@ class LlamaModel:
         lm_head = state.get("lm_head.weight")
         self.lm_head = self.embed if lm_head is None or config.tie_word_embeddings \
             else lm_head.to(dtype)
+        self.rope = RotaryTable(config.head_dim, config.rope_theta, dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                compute_logits: bool = True) -> torch.Tensor | None:
+                compute_logits: bool = True, max_position: int | None = None
+                ) -> torch.Tensor | None:
         """input_ids, positions: [T] int64; sample_rows: [S] rows to project to the vocabulary.
 
         kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, hd], written in place.
+        max_position: the largest entry of positions when the caller knows it (saves a
+        device-to-host read; the RoPE table grows to cover it).
         Returns float32 logits [S, vocab_size], or None when compute_logits is False (TP
         followers: the forward still writes the KV and joins every all-reduce).
         """
         c = self.config
         x = F.embedding(input_ids, self.embed)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, self.dtype)
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = self.rope.lookup(positions, max_position)
         for i, w in enumerate(self.layers):
             x = x + self._attention(rms_norm(x, w.attn_norm, c.rms_norm_eps), w, cos, sin,
                                     kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
             h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
-            x = x + all_reduce(F.linear(swiglu(F.linear(h, w.gate_up)), w.down), self.tp)
+            x = x + all_reduce(linear(swiglu(linear(h, w.gate_up)), w.down), self.tp)
         if not compute_logits:
             return None
         x = rms_norm(x[sample_rows], self.norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     def _attention(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
                    cache_k: torch.Tensor, cache_v: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         hd, sh = self.config.head_dim, self.shard
         t = x.shape[0]
-        q_size, kv_size = sh.num_heads * hd, sh.num_kv_heads * hd
-        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(t, sh.num_heads, hd), cos, sin)
-        k = apply_rope(k.view(t, sh.num_kv_heads, hd), cos, sin)
-        v = v.view(t, sh.num_kv_heads, hd)
+        qkv = linear(x, w.qkv, w.qkv_bias).view(t, sh.num_heads + 2 * sh.num_kv_heads, hd)
+        qk = apply_rope(qkv[:, :sh.num_heads + sh.num_kv_heads], cos, sin)  # q and k at once
+        q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]
+        v = qkv[:, sh.num_heads + sh.num_kv_heads:]
         out = paged_attention(q, k, v, cache_k, cache_v, meta)
-        return all_reduce(F.linear(out.reshape(t, q_size), w.o_proj), self.tp)
+        return all_reduce(linear(out.reshape(t, sh.num_heads * hd), w.o_proj), self.tp)

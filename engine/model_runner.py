@@ -72,8 +72,10 @@ class ModelRunner:
                          for it in plan.items])
         rows = torch.tensor(plan.sample_rows, dtype=torch.long)
         meta = self._metadata(plan.items, pos)
+        max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
         return self.model.forward(torch.tensor(plan.input_ids, dtype=torch.long), pos, rows,
-                                  self.kv_cache, meta, compute_logits=compute_logits)
+                                  self.kv_cache, meta, compute_logits=compute_logits,
+                                  max_position=max_pos)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
         if not seqs:

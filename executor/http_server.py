@@ -30,8 +30,8 @@ from executor.metrics import ServerMetrics
 from executor.openai_adapter import (
     Accumulated,
     BadRequest,
+    ChunkEncoder,
     check_length,
-    chunk,
     engine_request,
     full_response,
     prompt_token_ids,
@@ -366,18 +366,18 @@ class _Run:
 
     async def sse(self, first: RequestOutput, include_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the first byte becomes an error event, then [DONE]."""
+        enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         try:
             out, is_first = first, True
             while out is not None:
                 if out.new_text or out.finished or is_first:
-                    yield sse_event(chunk(self.chat, self.id, self.created, self.model, out.new_text,
-                                          out.finish_reason if out.finished else None, role=is_first))
+                    yield enc.event(out.new_text, out.finish_reason if out.finished else None, role=is_first)
                     is_first = False
                 if out.finished:
                     break
                 out = await self.next()
             if include_usage:
-                yield sse_event(chunk(self.chat, self.id, self.created, self.model, None, None, usage=self.acc.usage()))
+                yield enc.usage_event(self.acc.usage())
         except ApiError as err:
             yield sse_event(error_body(err.message, err.type, err.status))
         finally:

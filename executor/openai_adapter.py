@@ -8,6 +8,7 @@ to inf, and the NaN probabilities that follow would fail the engine step.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine.request import EngineRequest, Phase, RequestOutput
@@ -156,3 +157,36 @@ def chunk(chat: bool, rid: str, created: int, model: str, text: str | None, fini
                                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
     return CompletionChunk(id=rid, created=created, model=model,
                            choices=[CompletionChunkChoice(text=text or "", finish_reason=finish_reason)])
+
+
+def _dumps(value: object) -> str:
+    """Compact JSON with raw UTF-8, as pydantic's ``model_dump_json`` writes it."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class ChunkEncoder:
+    """The SSE events of one stream, built as strings: no pydantic model per chunk.
+
+    Byte-for-byte what ``sse_event(chunk(...))`` writes (tested): the per-request head (id,
+    object, created, model) is encoded once, each chunk encodes only its text and finish reason.
+    """
+
+    def __init__(self, chat: bool, rid: str, created: int, model: str) -> None:
+        self.chat = chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (f'data: {{"id":{_dumps(rid)},"object":"{obj}","created":{int(created)},'
+                      f'"model":{_dumps(model)},"choices":[')
+
+    def event(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        """One content chunk (``role`` marks the first chat chunk with ``"assistant"``)."""
+        end = f'"finish_reason":{_dumps(finish_reason)},"logprobs":null}}],"usage":null}}\n\n'
+        if self.chat:
+            role_json = '"assistant"' if role else "null"
+            choice = f'{{"index":0,"delta":{{"role":{role_json},"content":{_dumps(text)}}},'
+        else:
+            choice = f'{{"index":0,"text":{_dumps(text or "")},'
+        return (self._head + choice + end).encode()
+
+    def usage_event(self, usage: Usage) -> bytes:
+        """The final usage-only chunk (no choices)."""
+        return (self._head + f'],"usage":{_dumps(usage.model_dump())}}}\n\n').encode()

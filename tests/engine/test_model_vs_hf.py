@@ -22,6 +22,17 @@ def test_tiny_llama_matches_hf(tiny_engine, tiny_dir):
         assert got == hf_greedy(hf, p, 32)
 
 
+def test_tiny_llama_chunked_prefill_matches_hf(tiny_engine_factory, tiny_engine, tiny_dir):
+    # A 7-token step budget: prompts are prefilled in chunks that attend to earlier chunks
+    # through the paged cache (the masked path), next to decodes of the other prompts.
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    prompts = [tiny_engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    ours = _engine_outputs(tiny_engine_factory(num_kv_blocks=64, max_num_tokens=7), prompts, 12)
+    for p, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, p, 12)
+
+
 def test_smollm2_matches_hf(smollm2_engine, hf_smollm2):
     tok = smollm2_engine.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:5]]
