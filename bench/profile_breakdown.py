@@ -5,8 +5,9 @@
 
 Each raw line is ``frame;frame;...;frame COUNT`` (outermost first), a frame ``func (file:line)``.
 A sample is charged to the innermost frame that a rule below matches (file suffix and function
-names), else to "other python" or, when no frame names a project file, to "idle/runtime" (threads
-waiting in zmq, asyncio, the GIL). Prints one table of shares per process (``--by-process``,
+names), else to "other python" or, when no frame names a project file, to "idle/runtime"; a stack
+whose innermost frame waits (Condition.wait, zmq poll, select, ...) is "waiting (idle threads)".
+Stacks are keyed by the innermost ``process PID:"argv"`` frame (``--subprocesses``). Prints one table of shares per process (``--by-process``,
 needs ``--subprocesses`` samples) or for all samples together, plus the top innermost frames.
 """
 from __future__ import annotations
@@ -56,11 +57,20 @@ RULES: list[tuple[str, str, set[str] | None]] = [
     ("HTTP/SSE", "httptools/", None),
 ]
 PROJECT = ("engine/", "executor/", "ctx_worker/", "gen_worker/", "pdserve/", "bench/")
+# Innermost frames of threads that wait (py-spy may sample them as active on a loaded machine).
+WAITS = {"wait", "poll", "select", "_try_wait", "sleep", "recv", "recv_multipart", "accept",
+         "_recv_into", "get", "acquire", "run_forever", "_run_once", "epoll"}
+WAIT_FRAMES = {("Runner.run", "asyncio/runners.py"), ("RankMonitor._run", "executor/monitor.py")}
+WAIT = "waiting (idle threads)"
 FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^:()]+)(?::\d+)?\)$")
 
 
 def categorize(frames: list[str]) -> str:
     """The category of one stack (outermost first)."""
+    inner = FRAME.match(frames[-1].strip()) if frames else None
+    if inner and (inner.group("func").rpartition(".")[2] in WAITS or any(
+            inner.group("func") == f and inner.group("file").endswith(p) for f, p in WAIT_FRAMES)):
+        return WAIT  # a native wait under a Python frame: the event loop's epoll, the pidfd poll
     seen_project = False
     for frame in reversed(frames):
         m = FRAME.match(frame.strip())
@@ -74,6 +84,16 @@ def categorize(frames: list[str]) -> str:
     return "other python" if seen_project else "idle/runtime"
 
 
+def _process_name(frame: str) -> str:
+    """'process 12:"python -m executor.worker_main --x"' -> 'executor.worker_main (pid 12)'."""
+    m = re.match(r'process (\d+):"(.*)"$', frame)
+    if not m:
+        return frame
+    argv = m.group(2).split()
+    name = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else Path(argv[0]).name
+    return f"{name} (pid {m.group(1)})"
+
+
 def parse(path: Path, by_process: bool) -> tuple[dict[str, Counter], Counter]:
     """(process -> category -> samples, innermost frame -> samples)."""
     shares: dict[str, Counter] = defaultdict(Counter)
@@ -83,8 +103,11 @@ def parse(path: Path, by_process: bool) -> tuple[dict[str, Counter], Counter]:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        proc = frames[0] if by_process and frames[0].startswith("process ") else "all"
-        proc = re.sub(r"\s*\(.*$", "", proc) if proc != "all" else proc
+        procs = [i for i, f in enumerate(frames) if f.startswith("process ")]
+        proc = "all"
+        if procs:
+            proc = _process_name(frames[procs[-1]]) if by_process else "all"
+            frames = frames[procs[-1] + 1:]
         shares[proc][categorize(frames)] += int(count)
         inner[frames[-1]] += int(count)
     return shares, inner
@@ -94,13 +117,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("raw", type=Path)
     p.add_argument("--by-process", action="store_true")
-    p.add_argument("--busy-only", action="store_true", help="leave idle/runtime samples out")
+    p.add_argument("--busy-only", action="store_true",
+                   help="leave waiting threads and runtime-only stacks out")
     p.add_argument("--top", type=int, default=12)
     a = p.parse_args()
     shares, inner = parse(a.raw, a.by_process)
     for proc, counts in shares.items():
         if a.busy_only:
             counts.pop("idle/runtime", None)
+            counts.pop(WAIT, None)
         total = sum(counts.values()) or 1
         print(f"\n{proc}: {total} samples\n| stage | share |\n|---|---:|")
         for cat, n in counts.most_common():

@@ -53,15 +53,26 @@ SAMPLED = dict(temperature=0.9, top_k=50, top_p=0.9, ignore_eos=True, max_tokens
 
 
 def test_seeded_sampling_reproducible(tiny_engine, baseline):
+    # the same seed draws the same tokens alone and in a batch of 8 with other requests
+    # (greedy, unseeded, other seeds, top-k/top-p/temperature, other prompts)
     prompt = baseline[0]
+    others = [dict(temperature=0.0), dict(), dict(seed=1), dict(seed=2, top_k=5),
+              dict(seed=3, top_p=0.5), dict(seed=4, temperature=1.5), dict(seed=7, top_k=0)]
     a = run_all(tiny_engine, [EngineRequest("a", prompt, SamplingParams(seed=7, **SAMPLED))])
-    b = run_all(tiny_engine, [EngineRequest(f"x{i}", prompt, SamplingParams(**SAMPLED))
-                              for i in range(3)] +
+    b = run_all(tiny_engine, [EngineRequest(f"x{i}", prompt[i:], SamplingParams(**{**SAMPLED, **kw}))
+                              for i, kw in enumerate(others)] +
                 [EngineRequest("b", prompt, SamplingParams(seed=7, **SAMPLED))])
     c = run_all(tiny_engine, [EngineRequest("c", prompt, SamplingParams(seed=8, **SAMPLED))])
     assert a["a"]["tokens"] == b["b"]["tokens"]
     assert a["a"]["tokens"] != c["c"]["tokens"]
     assert a["a"]["tokens"] != baseline[1][:16]
+
+
+def test_unseeded_requests_get_their_own_random_seed(tiny_engine, baseline):
+    prompt = baseline[0]
+    res = run_all(tiny_engine, [EngineRequest(f"u{i}", prompt, SamplingParams(**SAMPLED))
+                                for i in range(2)])
+    assert res["u0"]["tokens"] != res["u1"]["tokens"]   # 16 draws from a 49,152-token vocab
 
 
 def test_seeded_sampling_split_invariant(tiny_engine, tiny_engine_factory, baseline):
