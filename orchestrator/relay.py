@@ -14,21 +14,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-import anyio
-import httpx
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
 from pdserve.protocol import SSE_DONE
 
+from .h1client import UpstreamError
 from .metrics import Metrics
 from .pools import Server
+from .responses import EventStream
 from .sse import error_events
 from .upstream import OpenStream, describe
 
 log = logging.getLogger("orchestrator.relay")
-
-_CLOSE_TIMEOUT_S = 5.0
 
 
 class StreamRelay:
@@ -61,7 +56,7 @@ class StreamRelay:
             while True:
                 remaining = self._deadline_s - time.monotonic()
                 async with asyncio.timeout(max(remaining, 0.0)):
-                    chunk = await anext(self._stream.chunks, None)
+                    chunk = await self._stream.next_chunk()
                 if chunk is None:
                     break
                 now = time.monotonic()
@@ -69,7 +64,7 @@ class StreamRelay:
                 t_prev, chunks = now, chunks + 1
                 yield chunk
                 tail = (tail + chunk)[-len(SSE_DONE):]
-        except (httpx.HTTPError, TimeoutError) as err:
+        except (UpstreamError, TimeoutError) as err:
             reason = "timed out" if isinstance(err, TimeoutError) else describe(err)
             for event in self._broken(tail, f"generation stream from {self._server.url} broke: {reason}"):
                 yield event
@@ -90,34 +85,17 @@ class StreamRelay:
         prefix = [] if tail.endswith(b"\n\n") or not tail else [b"\n\n"]
         return prefix + error_events(message)
 
-    async def close(self) -> None:
-        """Idempotent cleanup; safe to call from a cancelled context (callers shield it)."""
+    def close(self) -> None:
+        """Idempotent cleanup; never awaits, so it also runs inside a cancelled task."""
         if self._closed:
             return
         self._closed = True
         self._server.in_flight -= 1
-        try:
-            await self._stream.aclose()
-        except httpx.HTTPError as err:
-            log.debug("closing gen stream: %s", describe(err))
+        self._stream.close()  # before [DONE] this is what aborts the gen request
         self._metrics.e2e.labels(endpoint=self._endpoint).observe(time.monotonic() - self._started_s)
         if not self._finished:
             self._on_abandon()
 
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that always runs the relay's cleanup, even on client disconnect."""
-
-    def __init__(self, relay: StreamRelay) -> None:
-        super().__init__(relay.body(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # Shielded: on disconnect this runs inside a cancelled scope, and the upstream must
-            # still be closed (that is what aborts the gen request) and the lease released.
-            with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-                await self._relay.close()
+    def response(self) -> EventStream:
+        """The client's SSE response; it closes the relay however it ends."""
+        return EventStream(self.body(), on_close=self.close)
