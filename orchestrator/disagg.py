@@ -35,7 +35,7 @@ from .sse import answer_to_events
 from .tasks import TaskOwner
 from .upstream import AttemptFailed, open_stream, post_json_raw, release_lease
 
-Response = JSONAnswer | EventStream
+Response = JSONAnswer | EventStream | StreamRelay
 
 log = logging.getLogger("orchestrator.disagg")
 
@@ -254,7 +254,7 @@ class DisaggFlow:
         relay = StreamRelay(stream, server, ex.endpoint, ex.started_s,
                             ex.started_s + self._settings.request_timeout_s, self._metrics,
                             on_abandon=on_abandon or (lambda: None))
-        return relay.response()
+        return relay
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:
         for choice in answer.get("choices", []):

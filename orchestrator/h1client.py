@@ -37,6 +37,10 @@ class UpstreamError(Exception):
     """A transport failure: connect refused or timed out, connection broken, malformed answer."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """The caller's deadline for the response passed (see :meth:`Response.abort`)."""
+
+
 class ConnectError(UpstreamError):
     """No connection could be made (refused, unreachable, or the connect timeout passed)."""
 
@@ -85,13 +89,24 @@ class Response:
     def complete(self) -> bool:
         return self._complete
 
+    @property
+    def ended(self) -> bool:
+        """Complete, and every body piece handed out."""
+        return self._complete and not self._chunks
+
+    def abort(self, err: UpstreamError) -> None:
+        """Fail the response with ``err`` (unless it is complete) and close its connection."""
+        self._fail(err)
+        self.close()
+
     async def next_chunk(self) -> bytes | None:
         """The next piece of the (de-chunked) body, or None at its end. Raises UpstreamError."""
         while not self._chunks:
             if self._complete:
                 return None
             if self._error is not None:
-                raise UpstreamError(str(self._error)) from None
+                err = self._error
+                raise (err if isinstance(err, UpstreamError) else UpstreamError(str(err))) from None
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
             self._waiter = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import jsonio
 from .errors import UpstreamRejected, error_type
-from .h1client import H1Client, Response, UpstreamError
+from .h1client import H1Client, Response, UpstreamError, UpstreamTimeout
 from .pools import Server
 
 log = logging.getLogger("orchestrator.upstream")
@@ -116,6 +116,14 @@ class OpenStream:
     async def next_chunk(self) -> bytes | None:
         """The next body piece, None at the end. Raises UpstreamError when the stream breaks."""
         return await self.response.next_chunk()
+
+    def ended(self) -> bool:
+        """Whether the upstream response is complete and every chunk of it was read."""
+        return self.response.ended
+
+    def expire(self) -> None:
+        """Cut the stream: a pending or later :meth:`next_chunk` raises UpstreamTimeout."""
+        self.response.abort(UpstreamTimeout("timed out"))
 
     def close(self) -> None:
         """Idempotent; closing a stream that has not ended aborts the request on the server."""
