@@ -11,7 +11,7 @@ import uvicorn
 from pdserve.config import TopologyError, load_topology
 
 from .app import create_app
-from .request_id import install_log_filter
+from pdserve.request_id import install_log_filter
 
 
 def main(argv: list[str] | None = None) -> int:

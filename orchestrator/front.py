@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
-from . import request_id
+from pdserve import request_id
 from .disagg import Exchange
 from .errors import OrchestratorError
 from pdserve.request_body import MAX_BODY_BYTES

@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from orchestrator.request_id import RequestIdFilter
+from pdserve.request_id import RequestIdFilter
 from test_orch_flow import CHAT, COMPLETION
 from test_orch_validation import assert_openai_error
 
