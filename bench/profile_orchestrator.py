@@ -30,7 +30,7 @@ GROUPS = {  # label -> substring of a frame; a sample counts once per group whos
     "SSE relay to the client": ("orchestrator/relay.py",),
     "uvicorn protocol (parse, send)": ("uvicorn/protocols",),
     "FastAPI/Starlette": ("fastapi/", "starlette/"),
-    "body parse + pydantic validation": ("parse_body",),
+    "body parse + pydantic validation": ("parse_body", "parse_client_body", "request_body.py"),
     "tokenize + block hashes (kv_cache_aware)": ("prompt_tokens.py", "block_hashes"),
     "routing": ("orchestrator/router.py",),
     "prometheus metrics": ("prometheus_client",),
