@@ -272,8 +272,8 @@ class DisaggFlow:
 
     def _observe_done(self, ex: Exchange) -> None:
         elapsed = time.monotonic() - ex.started_s
-        self._metrics.ttft.labels(endpoint=ex.endpoint).observe(elapsed)
-        self._metrics.e2e.labels(endpoint=ex.endpoint).observe(elapsed)
+        self._metrics.child(self._metrics.ttft, ex.endpoint).observe(elapsed)
+        self._metrics.child(self._metrics.e2e, ex.endpoint).observe(elapsed)
 
 
 def check_ctx_answer(answer: dict) -> None:

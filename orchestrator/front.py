@@ -162,5 +162,5 @@ async def serve_openai(orch: "Orchestrator", scope: Scope, receive: Receive, sen
             watch.stop()
         if admitted:
             orch.admission.leave()
-        orch.metrics.requests.labels(endpoint=endpoint, status=str(status or 500)).inc()
+        orch.metrics.child(orch.metrics.requests, endpoint, str(status or 500)).inc()
         request_id.current.reset(token)

@@ -50,7 +50,7 @@ class StreamRelay:
         self._started_s = started_s
         self._deadline_s = deadline_s
         self._metrics = metrics
-        self._itl = metrics.itl.labels(endpoint=endpoint)
+        self._itl = metrics.child(metrics.itl, endpoint)
         self._on_abandon = on_abandon
         self._finished = False
         self._closed = False
@@ -72,7 +72,7 @@ class StreamRelay:
         as the last body message: one write to the client instead of two.
         """
         t_first = t_prev = time.monotonic()
-        self._metrics.ttft.labels(endpoint=self._endpoint).observe(t_first - self._started_s)
+        self._metrics.child(self._metrics.ttft, self._endpoint).observe(t_first - self._started_s)
         chunk, tail, chunks = self._stream.first_chunk, b"", 0
         while True:
             tail = (tail + chunk)[-len(SSE_DONE):]
@@ -97,7 +97,7 @@ class StreamRelay:
             t_prev = now
         self._finished = True
         if chunks > 1:
-            self._metrics.tpot.labels(endpoint=self._endpoint).observe((t_prev - t_first) / (chunks - 1))
+            self._metrics.child(self._metrics.tpot, self._endpoint).observe((t_prev - t_first) / (chunks - 1))
 
     async def _send_broken(self, send: Send, tail: bytes, message: str) -> None:
         events = self._broken(tail, message)
@@ -118,7 +118,7 @@ class StreamRelay:
         self._closed = True
         self._server.in_flight -= 1
         self._stream.close()  # before [DONE] this is what aborts the gen request
-        self._metrics.e2e.labels(endpoint=self._endpoint).observe(time.monotonic() - self._started_s)
+        self._metrics.child(self._metrics.e2e, self._endpoint).observe(time.monotonic() - self._started_s)
         if not self._finished:
             self._on_abandon()
 
