@@ -18,7 +18,7 @@ uses round-robin, pdserve runs once per ``--pdserve-routers`` policy (one orches
 others idle meanwhile). Latency: concurrency 1, ``--latency-prompts`` streamed requests of 16
 tokens through the Python client (``pdserve bench``); added latency = router's TTFT/E2EL minus
 direct. Throughput, two clients: the Python client (rate inf, concurrency ``--conc``: one Python
-process, which tops out near 400-500 req/s on one core, so it cannot show a faster router) and
+process, which tops out near 400-800 req/s on one core, so it cannot show a faster router) and
 ``wrk`` (compiled, epoll, ``--wrk-threads`` threads on core 0, ``--conc`` keep-alive connections,
 ``--wrk-seconds`` per run: ~10x less CPU per request than the Python client). Targets alternate
 within each repeat; cells are medians of ``--repeats``. Writes the ``overhead`` section of
@@ -94,6 +94,15 @@ def run_one(url: str, argv: list[str]) -> dict:
     if m["failed"]:
         raise RuntimeError(f"{m['failed']} requests failed via {url}: {doc['runs'][0]['errors'][:3]}")
     return m
+
+
+def cpu_flags() -> str:
+    """The flags that change what a number means here (FACTS.md: the machine is not always the same)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return "unknown"
+    return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none of avx2/avx512"
 
 
 def wrk_script(path: Path, seed: int) -> Path:
@@ -193,7 +202,7 @@ def main() -> int:
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 
-{conditions(load0)}
+{conditions(load0)} CPU flags: {cpu_flags()}.
 
 The workers are `bench/fake_worker.py` (raw ASGI on uvicorn, answers at once, no model), so every
 millisecond above *direct* is the router's. Routers pinned to core 1, workers and the load
@@ -201,7 +210,7 @@ generators to core 0. Requests: 32-word text prompts (sglang-router rejects toke
 concurrency 1 ({a.latency_prompts} requests per run, Python client); max req/s at concurrency {a.conc}, rate inf,
 with the Python client ({a.throughput_prompts} requests per run) and with `wrk` ({a.wrk_threads} thread,
 {a.conc} keep-alive connections, {a.wrk_seconds} s per run; the Python client is one process that tops out
-near 400–500 req/s on one core, wrk costs ~10× less per request). Medians of {a.repeats} repeats,
+near 400–800 req/s on one core, wrk costs ~10× less per request). Medians of {a.repeats} repeats,
 targets alternating.
 
 What each router does per request (be fair when reading the numbers):
