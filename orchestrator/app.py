@@ -32,6 +32,7 @@ from .disagg import DisaggFlow
 from .errors import OrchestratorError, error_response
 from .front import OPENAI_PATHS, serve_openai
 from .h1client import H1Client
+from .httpx_upstream import HttpxUpstream
 from .metrics import Metrics
 from .fleet import Backend, Fleet, ScaleError
 from .pools import ROLES, ClusterPools, HealthPoller
@@ -64,7 +65,7 @@ class Orchestrator:
         self.metrics = Metrics()
         self.tasks = TaskOwner()
         self.admission = Admission(self.settings.max_inflight_requests, self.settings.retry_after_s)
-        self.upstream: H1Client | None = None
+        self.upstream: H1Client | HttpxUpstream | None = None
         self._transport = transport
         self._backend = backend
         self.client: httpx.AsyncClient | None = None
@@ -89,7 +90,8 @@ class Orchestrator:
                                    s.health_failure_threshold, s.heartbeat_ttl_s)
         if self.needs_tokens:
             self.tokenizer = PromptTokenizer(self.client, [self.pools.gen, self.pools.ctx])
-        self.upstream = H1Client(s.connect_timeout_s)
+        # A test transport replaces the network on the hot path too; otherwise the lean client.
+        self.upstream = H1Client(s.connect_timeout_s) if self._transport is None else HttpxUpstream(self.client)
         self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
                                self.topology.pool_engine("ctx").block_size)
         backend = self._backend or make_backend(self.topology, self.config_path)
