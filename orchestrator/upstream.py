@@ -93,19 +93,6 @@ async def post_json_raw(client: H1Client, server: Server, path: str, body: bytes
     return raw
 
 
-async def post_json(client: H1Client, server: Server, path: str, body: bytes, timeout_s: float, phase: str,
-                    request_id: str | None = None) -> dict:
-    """:func:`post_json_raw`, parsed. Raises AttemptFailed as well when the answer is not a JSON object."""
-    raw = await post_json_raw(client, server, path, body, timeout_s, phase, request_id)
-    try:
-        answer = jsonio.loads(raw)
-    except ValueError:
-        raise AttemptFailed("answer is not JSON") from None
-    if not isinstance(answer, dict):
-        raise AttemptFailed("answer is not a JSON object")
-    return answer
-
-
 @dataclass
 class OpenStream:
     """An upstream streaming response whose first chunk has already arrived."""
