@@ -1,5 +1,5 @@
 """Overload and identity at the orchestrator: X-Request-Id end to end (servers, echo, log lines),
-429 + Retry-After past max_inflight_requests, 413 past max_body_bytes, session affinity."""
+429 + Retry-After past max_inflight_requests, session affinity (body limits: tests/fuzz)."""
 
 from __future__ import annotations
 
@@ -76,14 +76,6 @@ def test_past_max_inflight_requests_429_with_retry_after(make_cluster):
     assert httpx.post(c.url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200  # room again
     metrics = httpx.get(c.url + "/metrics", timeout=5).text
     assert 'pdserve_orchestrator_errors_total{kind="overloaded"} 1.0' in metrics
-
-
-def test_body_over_max_body_bytes_413(make_cluster):
-    c = make_cluster(max_body_bytes=1000)
-    r = httpx.post(c.url + "/v1/completions", json={**COMPLETION, "prompt": "x" * 2000}, timeout=10)
-    assert "max_body_bytes" in assert_openai_error(r, 413)["message"]
-    assert c.ctx[0].record.bodies == []
-    assert httpx.post(c.url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
 
 
 def _servers_used(c, role: str) -> list[int]:
