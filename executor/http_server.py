@@ -266,7 +266,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
-    ereq = engine_request(rid, prompt, sampling_params(body), disagg)
+    ereq = engine_request(rid, prompt, sampling_params(body), disagg, body.cache_salt)
     answer = PhaseAnswer()
     run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer))
     first = await run.first_unless_disconnected(request)

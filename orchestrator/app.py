@@ -36,6 +36,7 @@ from .httpx_upstream import HttpxUpstream
 from .metrics import Metrics
 from .fleet import Backend, Fleet, ScaleError
 from .pools import ROLES, ClusterPools, HealthPoller
+from .prefix_admin import add_prefix_cache_routes
 from .prompt_tokens import PromptTokenizer
 from .router import Router, make_routers
 from .tasks import TaskOwner
@@ -92,8 +93,9 @@ class Orchestrator:
             self.tokenizer = PromptTokenizer(self.client, [self.pools.gen, self.pools.ctx])
         # A test transport replaces the network on the hot path too; otherwise the lean client.
         self.upstream = H1Client(s.connect_timeout_s) if self._transport is None else HttpxUpstream(self.client)
+        ctx_engine = self.topology.pool_engine("ctx")
         self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
-                               self.topology.pool_engine("ctx").block_size)
+                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype)
         backend = self._backend or make_backend(self.topology, self.config_path)
         if backend is not None:
             self.fleet = Fleet(self.topology, self.pools, backend, self.client, self.tasks)
@@ -163,6 +165,7 @@ def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None
     add_openai_routes(app, orch)
     add_cluster_routes(app, orch)
     add_control_routes(app, orch)
+    add_prefix_cache_routes(app, orch)  # POST /reset_prefix_cache (fans out to every server)
     return app
 
 

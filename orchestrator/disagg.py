@@ -88,7 +88,8 @@ class DisaggFlow:
 
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
-                 tokenizer: PromptTokenizer | None = None, block_size: int = 16) -> None:
+                 tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
+                 dtype: str = "") -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -97,12 +98,14 @@ class DisaggFlow:
         self._tasks = tasks
         self._tokenizer = tokenizer
         self._block_size = block_size
+        self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
         ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
         if ids is None:
             return RouteHint(session=ex.session) if ex.session else None
-        return RouteHint(block_hashes(ids, self._block_size), len(ids), ex.session)
+        return RouteHint(block_hashes(ids, self._block_size, self._model, self._dtype, ex.body.get("cache_salt")),
+                         len(ids), ex.session)
 
     def _is_short(self, hint: RouteHint | None) -> bool:
         limit = self._settings.max_local_prefill_length

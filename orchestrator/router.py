@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.block_hash import BlockHasher
 from pdserve.config import Topology
 
 from .pools import Pool, Server
@@ -41,19 +42,16 @@ class RouteHint:
     """What a router may know about a request: the chained hashes of its full prompt blocks, its
     prompt length in tokens, and its session-affinity key."""
 
-    block_hashes: tuple[int, ...] = ()
+    block_hashes: tuple[bytes, ...] = ()
     num_tokens: int = 0
     session: str | None = None
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:
-    """Chained hashes of the full ``block_size`` blocks of ``token_ids`` (a block's hash covers its
-    whole prefix, so equal hashes mean equal prefixes, as in a paged prefix cache)."""
-    out, h = [], 0
-    for i in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash((h, tuple(token_ids[i:i + block_size])))
-        out.append(h)
-    return tuple(out)
+def block_hashes(token_ids: list[int], block_size: int, model: str = "", dtype: str = "",
+                 cache_salt: str | None = None) -> tuple[bytes, ...]:
+    """Chained hashes of the full ``block_size`` blocks of ``token_ids``: the servers' prefix-cache
+    block names (:mod:`pdserve.block_hash`) when ``model``/``dtype`` are the cluster's."""
+    return tuple(BlockHasher(model, dtype, block_size).hashes(token_ids, cache_salt))
 
 
 class Router(Protocol):

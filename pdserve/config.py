@@ -53,6 +53,9 @@ class EngineSettings(StrictModel):
     kv_cache_huge_pages: bool = Field(
         True, description="KV cache on transparent huge pages (madvise; a no-op where the kernel's THP mode is "
         "'never'): same-host KV pulls ~2x faster. TP > 1 caches live in shared files and are not advised")
+    enable_prefix_caching: bool = Field(
+        True, description="keep computed full KV blocks by content hash (LRU, evicted only when memory is "
+        "needed) and start each request after its longest cached prefix; false: every prompt is computed whole")
 
 
 class EngineOverrides(StrictModel):
@@ -70,6 +73,7 @@ class EngineOverrides(StrictModel):
     num_frontends: int | None = Field(None, ge=1, le=64)
     worker_start_timeout_s: float | None = Field(None, gt=0)
     kv_cache_huge_pages: bool | None = None
+    enable_prefix_caching: bool | None = None
 
 
 class KVTransferSettings(StrictModel):

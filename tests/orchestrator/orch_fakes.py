@@ -46,6 +46,7 @@ class Behavior:
     answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
     kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
     max_model_len: int = 2048              # what /server_info reports
+    reset_status: int = 200                # POST /reset_prefix_cache answers this
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Record:
     aborted_streams: int = 0
     aborted_requests: int = 0              # non-stream requests whose client left before the answer
     finished_streams: int = 0
+    prefix_resets: list[str | None] = field(default_factory=list)  # the Authorization header of each
 
 
 def _max_tokens(body: dict, chat: bool) -> int:
@@ -183,6 +185,14 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
             return JSONResponse(error_body("Not Found", "not_found", 404), 404)
         return {"role": role, "model": MODEL, "state": "serving", "kv_layout": beh.kv_layout,
                 "kv_layouts": [beh.kv_layout], "max_model_len": beh.max_model_len}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        rec.prefix_resets.append(request.headers.get("authorization"))
+        if beh.reset_status != 200:
+            return JSONResponse(error_body("injected failure", "internal_server_error", beh.reset_status),
+                                beh.reset_status)
+        return {"freed_blocks": 3}
 
     @app.post("/disagg/release")
     async def release(request: Request):
