@@ -90,7 +90,7 @@ class CtxKVRole(WorkerRole):
             first_gen_tokens=list(out.new_token_ids), prompt_token_ids=prompt, kv_endpoint=self.endpoint, kv_layout=self.layout,
             kv_endpoints=[s.endpoint for s in self.servers], kv_layouts=self.shard_layouts,
             kv_block_count=blocks_for_tokens(num_tokens, self.layout.block_size),
-            lease_deadline=time.time() + lease_s)
+            lease_deadline=time.time() + lease_s, cached_tokens=out.num_cached_tokens)
         self.ops.deliver(out.request_id, KVHandoff(out.request_id, params))
 
     def intercept_abort(self, request_id: str) -> bool:

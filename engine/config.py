@@ -22,6 +22,10 @@ class EngineConfig:
     kv_cache_file: back the KV cache by this file (shared memory another process maps).
     kv_cache_huge_pages: put an anonymous KV cache on transparent huge pages (engine.kv_memory):
         KV pulls between processes run ~2x faster than on 4 KiB pages.
+    enable_prefix_caching: keep computed full KV blocks by content hash and start a request after
+        its longest cached prefix (engine.block_manager); False = every prompt computed whole.
+    served_model_name: the model id in block hashes (pdserve.block_hash; the servers use the
+        topology's model.name, as the KV layout does); None = model.
 
     Raises ValueError from __post_init__ when a value is out of range.
     """
@@ -36,6 +40,8 @@ class EngineConfig:
     num_threads: int | None = None
     kv_cache_file: str | None = None
     kv_cache_huge_pages: bool = True
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -24,6 +24,7 @@ from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
                        broadcast_message)
 from engine.validation import validate_request
+from pdserve.block_hash import BlockHasher
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,10 @@ class LLMEngine:
             return
         self.tokenizer = Tokenizer.from_model_path(path, model.config.eos_token_ids)
         self.max_model_len = self._max_model_len()
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.hasher = BlockHasher(config.served_model_name or config.model, config.dtype,
+                                  config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self._to_emit: dict[str, Sequence] = {}
@@ -88,9 +92,14 @@ class LLMEngine:
         return self.block_manager.num_free_blocks
 
     def stats(self) -> dict[str, int]:
-        """Block and scheduler counts: ``free_blocks``, ``total_blocks`` and :meth:`Scheduler.counts`."""
+        """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
+        included), ``total_blocks``, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
-                **self.scheduler.counts()}
+                **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash; returns how many unreferenced cached blocks were freed."""
+        return self.block_manager.reset_prefix_cache()
 
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request. Raises RequestValidationError when it cannot be served."""
@@ -98,7 +107,8 @@ class LLMEngine:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         validate_request(req, self.max_model_len, self.model_config.vocab_size)
         detok = IncrementalDetokenizer(self.tokenizer)
-        self.scheduler.add(Sequence(req, detok))
+        chain = self.hasher.chain(req.cache_salt) if self.config.enable_prefix_caching else None
+        self.scheduler.add(Sequence(req, detok, chain))
 
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks; the next step() reports it finished with "abort"."""
@@ -154,6 +164,7 @@ class LLMEngine:
             sampled = self.runner.sample(seqs, logits)
             for seq, k in batch.items:
                 seq.num_computed += k
+                self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
                 if seq.request_id in sampled:
                     self._apply_token(seq, sampled[seq.request_id])
         elif has_extra:

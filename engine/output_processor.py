@@ -49,4 +49,5 @@ class OutputProcessor:
             request_id=seq.request_id, new_token_ids=tokens, new_text=text,
             finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            parked_block_ids=parked_block_ids, queue_time_s=queue_time_s)
+            parked_block_ids=parked_block_ids, queue_time_s=queue_time_s,
+            num_cached_tokens=seq.num_cached_tokens or 0)

@@ -17,13 +17,20 @@ class Phase(str, Enum):
 
 @dataclass
 class EngineRequest:
-    """A request. GENERATION_ONLY needs first_token_ids (the token(s) the ctx server sampled)."""
+    """A request. GENERATION_ONLY needs first_token_ids (the token(s) the ctx server sampled).
+
+    cache_salt: requests with different salts never share prefix-cache blocks (vLLM's field).
+    num_cached_tokens: GENERATION_ONLY only: the prompt tokens the ctx server found in its prefix
+    cache, reported in this request's outputs (this engine pulls the whole prompt).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     phase: Phase = Phase.CONTEXT_AND_GENERATION
     first_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -34,7 +41,9 @@ class RequestOutput:
     tokens so far, first_token_ids included. parked_block_ids lists the blocks a CONTEXT_ONLY
     request left allocated for hand-off (until release_parked/abort_request). queue_time_s (seconds
     from arrival in the engine to first admission, like vLLM's request_queue_time) is set on the
-    first output after admission and None on every other.
+    first output after admission and None on every other. num_cached_tokens: prompt tokens whose
+    KV came from the prefix cache at the request's first admission (OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens``; 0 until admitted).
     """
 
     request_id: str
@@ -46,6 +55,7 @@ class RequestOutput:
     num_output_tokens: int
     parked_block_ids: list[int] | None = None
     queue_time_s: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler: FCFS, token budget, chunked prefill, preemption by recompute."""
+"""Continuous-batching scheduler: FCFS, token budget, chunked prefill, preemption by recompute,
+prefix caching (a new or preempted request starts after its longest cached prefix)."""
 from __future__ import annotations
 
 from collections import deque
@@ -32,6 +33,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.pulling: dict[str, Sequence] = {}
         self.parked: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0   # tokens looked up in the prefix cache (vLLM's name)
+        self.prefix_cache_hits = 0      # tokens found there
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,9 +90,12 @@ class Scheduler:
                 continue
             if budget <= 0:
                 return
-            k = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.bm.can_grow(seq.block_ids, seq.num_computed + k):
+            hit = self._cached_prefix(seq)
+            start = len(hit) * self.bm.block_size
+            k = min(seq.num_tokens - start, budget)
+            if not self.bm.can_allocate(self.bm.blocks_needed(start + k) - len(hit), sharing=hit):
                 return
+            self._reuse_prefix(seq, hit)
             self.bm.grow(seq.block_ids, seq.num_computed + k)
             self.waiting.popleft()
             seq.mark_admitted()
@@ -97,6 +103,45 @@ class Scheduler:
             self.running.append(seq)
             batch.items.append((seq, k))
             budget -= k
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks seq may start after: its longest cached prefix of full blocks, capped at
+        num_tokens - 1 tokens so the last token is computed (its logits sample the next token)
+        and every block seq writes is its own (a prompt ending on a block boundary recomputes its
+        last block into a fresh one)."""
+        if not self.bm.enable_caching or seq.hash_chain is None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.bm.block_size
+        return self.bm.match_prefix(seq.block_hashes()[:max_blocks], seq.token_ids)
+
+    def _reuse_prefix(self, seq: Sequence, hit: list[int]) -> None:
+        """Start seq (no blocks yet) after the cached blocks ``hit``; count the lookup."""
+        seq.block_ids = self.bm.share(hit)
+        seq.num_computed = len(hit) * self.bm.block_size
+        seq.num_offered_blocks = len(hit)
+        if self.bm.enable_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Offer seq's full blocks computed since the last call (prefill or decode) to the cache."""
+        bs = self.bm.block_size
+        full = min(seq.num_computed // bs, len(seq.block_ids))
+        if full <= seq.num_offered_blocks or seq.hash_chain is None or not self.bm.enable_caching:
+            return
+        hashes = seq.block_hashes()
+        for i in range(seq.num_offered_blocks, full):
+            self.bm.cache_block(seq.block_ids[i], hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
+        seq.num_offered_blocks = full
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens looked up / found, every
+        admission: a preempted request's recompute counts again, as in vLLM) and ``cached_blocks``."""
+        return {"prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits, "cached_blocks": self.bm.num_cached_blocks}
 
     def _admit_pull(self, seq: Sequence) -> bool:
         # Room for the prompt and the first token(s), whose KV is computed here after the pull.
@@ -116,16 +161,19 @@ class Scheduler:
         self.bm.deallocate(seq.block_ids)
         seq.block_ids = []
         seq.num_computed = 0
+        seq.num_offered_blocks = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
     def kv_arrived(self, request_id: str) -> Sequence | None:
-        """Move a pulling sequence to running; its prompt KV is now in its blocks."""
+        """Move a pulling sequence to running; its prompt KV is now in its blocks, whose full ones
+        join the prefix cache (only now: a failed pull never caches anything)."""
         seq = self.pulling.pop(request_id, None)
         if seq is not None:
             seq.num_computed = seq.num_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self.cache_computed(seq)
         return seq
 
     def finish(self, seq: Sequence, park: bool = False) -> None:

@@ -6,6 +6,7 @@ from enum import Enum, auto
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import EngineRequest, Phase
+from pdserve.block_hash import HashChain
 
 
 class SeqStatus(Enum):
@@ -21,9 +22,14 @@ class Sequence:
     token_ids = prompt + outputs. num_computed tokens have their KV in the cache; a step that brings
     num_computed to len(token_ids) samples the next token. After preemption num_computed is 0 and
     the whole token list is recomputed, so outputs already emitted are never produced again.
+
+    Prefix cache: hash_chain names the full blocks of token_ids (pdserve.block_hash);
+    num_offered_blocks leading blocks of block_ids are cached or were offered to the cache (hit
+    blocks count); num_cached_tokens is the hit of the first admission (None before it).
     """
 
-    def __init__(self, req: EngineRequest, detokenizer: IncrementalDetokenizer):
+    def __init__(self, req: EngineRequest, detokenizer: IncrementalDetokenizer,
+                 hash_chain: HashChain | None = None):
         self.request_id = req.request_id
         self.sampling = req.sampling
         self.phase = req.phase
@@ -42,6 +48,10 @@ class Sequence:
         self.arrival_s = time.monotonic()
         self.queue_time_s: float | None = None   # arrival → first admitted (blocks allocated)
         self.queue_time_reported = False
+        self.hash_chain = hash_chain
+        self.num_offered_blocks = 0
+        self.num_cached_tokens: int | None = (req.num_cached_tokens
+                                              if req.phase is Phase.GENERATION_ONLY else None)
 
     def mark_admitted(self) -> None:
         """Record the queue time at the first admission (a preempted sequence keeps its first one)."""
@@ -68,6 +78,10 @@ class Sequence:
     def needs_kv_pull(self) -> bool:
         """GENERATION_ONLY that has not received its prompt KV yet."""
         return self.phase is Phase.GENERATION_ONLY and self.num_output_tokens == 0
+
+    def block_hashes(self) -> list[bytes]:
+        """Hashes of the full blocks of token_ids ([] without a hash chain)."""
+        return self.hash_chain.extend(self.token_ids) if self.hash_chain is not None else []
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

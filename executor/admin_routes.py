@@ -4,6 +4,9 @@
   orchestrator can count and hash prompt tokens without torch (routing only).
 * ``POST /admin/drain`` (admin token): stop admitting requests; in-flight ones finish; ``/health``
   turns 503 so the orchestrator routes nothing new here.
+* ``POST /reset_prefix_cache`` (admin token): forget every prefix-cache block hash; answers
+  ``{"freed_blocks": N}``, the unreferenced cached blocks freed (blocks in use stay with their
+  requests and are never a hit again).
 
 Installed by :func:`executor.registration.attach` (frontend 0).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from executor.engine_client import EngineDeadError
 from executor.http_server import ServerState
 from pdserve.auth import admin_token, check_bearer
 from pdserve.protocol import error_body
@@ -35,5 +39,17 @@ def admin_router(state: ServerState) -> APIRouter:
             return JSONResponse(error_body(refused[1], "unauthorized", refused[0]), status_code=refused[0])
         state.client.drain()
         return JSONResponse({"state": state.client.state.value})
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        refused = check_bearer(request.headers.get("authorization"), admin_token(env), env)
+        if refused is not None:
+            return JSONResponse(error_body(refused[1], "unauthorized", refused[0]), status_code=refused[0])
+        try:
+            freed = await state.client.reset_prefix_cache()
+        except (EngineDeadError, TimeoutError) as err:
+            return JSONResponse(error_body(f"cannot reset the prefix cache: {err or 'timed out'}",
+                                           "service_unavailable", 503), status_code=503)
+        return JSONResponse({"freed_blocks": freed})
 
     return router

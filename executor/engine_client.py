@@ -103,6 +103,15 @@ class EngineClient(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def reset_prefix_cache(self) -> int:
+        """Forget every prefix-cache block hash; the number of unreferenced cached blocks freed.
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            TimeoutError: the engine did not answer within a bounded wait (it answers between steps).
+        """
+
+    @abc.abstractmethod
     def drain(self) -> None:
         """Stop admitting new requests; in-flight ones finish."""
 

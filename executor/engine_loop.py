@@ -50,7 +50,7 @@ from executor.engine_client import EngineNotServingError, EngineState
 from executor.ipc import lane_of
 from executor.kv_role import RankShards, WorkerRole
 from executor.messages import (AbortRequest, AddRequest, Command, Drain, Event, Output, ReleaseLease, Reply,
-                               Shutdown, StatsQuery, StatsSnapshot)
+                               ResetPrefixCache, Shutdown, StatsQuery, StatsSnapshot)
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -103,7 +103,8 @@ class EngineLoop:
         self._last_stats_t = 0.0
         self._handlers: dict[type, Callable] = {
             AddRequest: self._add, AbortRequest: self._abort, ReleaseLease: self._release,
-            StatsQuery: self._stats_query, Drain: self._drain, Shutdown: self._shutdown}
+            StatsQuery: self._stats_query, ResetPrefixCache: self._reset_prefix_cache, Drain: self._drain,
+            Shutdown: self._shutdown}
         self.role.start(engine, self, shards)
 
     # ---- WorkerOps (thread-safe) ----------------------------------------------------------
@@ -195,6 +196,9 @@ class EngineLoop:
 
     def _stats_query(self, cmd: StatsQuery) -> None:
         self._reply(cmd.call_id, self._stats())
+
+    def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> None:
+        self._reply(cmd.call_id, self.engine.reset_prefix_cache())
 
     def _drain(self, cmd: Drain) -> None:
         if self.state == EngineState.SERVING:

@@ -1,7 +1,7 @@
 """The executor's IPC messages: every message between a frontend and the engine loop, defined once.
 
 Frontend → engine loop (:data:`Command`): :class:`AddRequest`, :class:`AbortRequest`,
-:class:`ReleaseLease`, :class:`StatsQuery`, :class:`Drain`, :class:`Shutdown`.
+:class:`ReleaseLease`, :class:`StatsQuery`, :class:`ResetPrefixCache`, :class:`Drain`, :class:`Shutdown`.
 Engine loop → frontend (:data:`Event`): :class:`Output`, :class:`Reply`, :class:`StatsSnapshot`,
 :class:`EngineDead`.
 Worker rank → proxy at start-up (:data:`Handshake`): :class:`RankHello`, :class:`RankFailed`,
@@ -57,6 +57,14 @@ class StatsQuery:
 
 
 @dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every prefix-cache block hash; answered by a :class:`Reply` (int: unreferenced cached
+    blocks freed) on ``call_id``'s lane."""
+
+    call_id: int
+
+
+@dataclass(frozen=True)
 class Drain:
     """Stop admitting new requests (serving → draining); in-flight ones finish."""
 
@@ -68,8 +76,8 @@ class Shutdown:
     reason: str = "shutdown requested"
 
 
-Command = Union[AddRequest, AbortRequest, ReleaseLease, StatsQuery, Drain, Shutdown]
-COMMANDS = (AddRequest, AbortRequest, ReleaseLease, StatsQuery, Drain, Shutdown)  # for isinstance checks
+Command = Union[AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, Drain, Shutdown]
+COMMANDS = (AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, Drain, Shutdown)  # for isinstance checks
 
 
 # ---- engine loop → frontend ----------------------------------------------------------------------
@@ -84,7 +92,7 @@ class Output:
 
 @dataclass(frozen=True)
 class Reply:
-    """The answer to a :class:`ReleaseLease` or :class:`StatsQuery`."""
+    """The answer to a :class:`ReleaseLease`, :class:`StatsQuery` or :class:`ResetPrefixCache`."""
 
     call_id: int
     value: object

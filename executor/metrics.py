@@ -34,7 +34,8 @@ class ServerMetrics:
                              ["request_type"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_server_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve_server_generation_tokens", "Output tokens", registry=r)
-        self.kv_free_blocks = Gauge("pdserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
+        self.kv_free_blocks = Gauge("pdserve_kv_cache_free_blocks",
+                                    "KV blocks no request references (cached evictable ones included)", registry=r)
         self.kv_total_blocks = Gauge("pdserve_kv_cache_total_blocks", "KV blocks in the cache", registry=r)
         self.requests_waiting = Gauge("pdserve_num_requests_waiting", "Requests queued in the engine (no blocks yet)",
                                       registry=r)
@@ -59,6 +60,10 @@ class RoleStatsCollector:
                                "KV pulls whose bytes were read straight from a same-host ctx process (ucx)"),
         "leases_expired": ("pdserve_kv_leases_expired", "Parked KV leases freed by their timer"),
         "leases_released": ("pdserve_kv_leases_released", "Parked KV leases released after a pull or a cancel"),
+        "prefix_cache_queries": ("pdserve_prefix_cache_queries",
+                                 "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)"),
+        "prefix_cache_hits": ("pdserve_prefix_cache_hits",
+                              "Prompt tokens found in the prefix cache (vLLM's prefix_cache_hits)"),
     }
 
     def __init__(self, stats) -> None:
@@ -84,5 +89,9 @@ class RoleStatsCollector:
         for key, (name, doc) in self._COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
+        if "cached_blocks" in stats:
+            yield GaugeMetricFamily("pdserve_kv_cache_cached_blocks",
+                                    "KV blocks held by the prefix cache (referenced or evictable)",
+                                    value=stats["cached_blocks"])
         if "parked_leases" in stats:
             yield GaugeMetricFamily("pdserve_kv_parked_leases", "Parked KV leases", value=stats["parked_leases"])

@@ -26,6 +26,7 @@ from pdserve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DisaggregatedParams,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -97,12 +98,16 @@ PHASES = {
 
 
 def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
-                   disagg: DisaggregatedParams | None) -> EngineRequest:
-    """Build the engine request for a body's phase (colocated when ``disagg`` is None)."""
+                   disagg: DisaggregatedParams | None, cache_salt: str | None = None) -> EngineRequest:
+    """Build the engine request for a body's phase (colocated when ``disagg`` is None).
+
+    ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``)."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
-    first = list(disagg.first_gen_tokens) if disagg and phase == Phase.GENERATION_ONLY else None
+    gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
+    first = list(disagg.first_gen_tokens) if gen_only else None
+    cached = (disagg.cached_tokens or 0) if gen_only else 0
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                         phase=phase, first_token_ids=first)
+                         phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached)
 
 
 @dataclass
@@ -113,16 +118,19 @@ class Accumulated:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
-                     total_tokens=self.num_prompt_tokens + self.num_output_tokens)
+                     total_tokens=self.num_prompt_tokens + self.num_output_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
 
 
 def full_response(chat: bool, rid: str, created: int, model: str, acc: Accumulated,

@@ -47,7 +47,8 @@ def engine_config(cfg: ServerConfig, kv_cache_file: str | None = None):
     return EngineConfig(model=cfg.model.path, dtype=e.dtype, block_size=e.block_size, num_kv_blocks=e.num_kv_blocks,
                         max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
                         max_model_len=e.max_model_len, num_threads=e.num_threads,
-                        kv_cache_huge_pages=e.kv_cache_huge_pages, **extra)
+                        kv_cache_huge_pages=e.kv_cache_huge_pages, enable_prefix_caching=e.enable_prefix_caching,
+                        served_model_name=cfg.model.name, **extra)
 
 
 def kv_layout(cfg: ServerConfig, engine, tp_rank: int = 0, tp_size: int = 1) -> KVLayoutModel:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.ipc import make_client_id
 from executor.messages import (AbortRequest, AddRequest, Command, Drain, EngineDead, Event, Output, ReleaseLease,
-                               Reply, StatsQuery, StatsSnapshot)
+                               Reply, ResetPrefixCache, StatsQuery, StatsSnapshot)
 from executor.streams import StreamRegistry
 
 if TYPE_CHECKING:
@@ -82,6 +82,11 @@ class WorkerClient(EngineClient):
         if self.state == EngineState.DEAD:
             return self.stats()
         return {**await self._call(StatsQuery, timeout_s=STATS_TIMEOUT_S), **self._stats_extra()}
+
+    async def reset_prefix_cache(self) -> int:
+        if self.state == EngineState.DEAD:
+            raise EngineDeadError(f"engine is dead: {self.dead_reason}")
+        return int(await self._call(ResetPrefixCache))
 
     async def _call(self, make: Callable[[int], Command], timeout_s: float = REPLY_TIMEOUT_S) -> object:
         """A request/reply with the engine loop: ``make(call_id)`` is the command; bounded by

@@ -58,6 +58,9 @@ class EngineSettings(StrictModel):
     kv_cache_huge_pages: bool = Field(
         True, description="KV cache on transparent huge pages (madvise; a no-op where the kernel's THP mode is "
         "'never'): same-host KV pulls ~2x faster. TP > 1 caches live in shared files and are not advised")
+    enable_prefix_caching: bool = Field(
+        True, description="keep computed full KV blocks by content hash (LRU, evicted only when memory is "
+        "needed) and start each request after its longest cached prefix; false: every prompt is computed whole")
 
 
 class EngineOverrides(StrictModel):
@@ -75,6 +78,7 @@ class EngineOverrides(StrictModel):
     num_frontends: int | None = Field(None, ge=1, le=64)
     worker_start_timeout_s: float | None = Field(None, gt=0)
     kv_cache_huge_pages: bool | None = None
+    enable_prefix_caching: bool | None = None
 
 
 class KVTransferSettings(StrictModel):
@@ -100,7 +104,7 @@ class ServerSpec(StrictModel):
     kv_port: int = Field(0, ge=0, le=65535, description="KV transceiver TCP port; 0 = any free port")
 
 
-RouterName = Literal["round_robin", "least_loaded", "kv_cache_aware"]
+RouterName = Literal["round_robin", "least_loaded", "power_of_two", "kv_cache_aware"]
 
 
 class PoolSettings(StrictModel):
@@ -156,6 +160,11 @@ class OrchestratorSettings(StrictModel):
     kv_aware_balance_threshold: int = Field(4, ge=0, description="kv_cache_aware: ignore prefix affinity when the best match has this many more in-flight requests than the least loaded server")
     admin_token_env: str = Field("PDSERVE_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                  description="environment variable holding the admin token (the secret never goes in this file)")
+    max_inflight_requests: int = Field(1024, ge=0, description="client requests open at once; past it 429 + Retry-After (0 = no bound)")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (s) of a 429 answer")
+    session_affinity: Literal["none", "header", "user"] = Field(
+        "none", description="keep a session on one server per pool: key from the `session_header` header or the body's `user` field")
+    session_header: str = Field("X-Session-Id", pattern=r"^[A-Za-z0-9-]+$", description="header naming the session (session_affinity: header)")
 
 
 class SlurmSettings(StrictModel):

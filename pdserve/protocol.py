@@ -59,8 +59,9 @@ class DisaggregatedParams(BaseModel):
 
     ctx answer: ``ctx_request_id``, ``first_gen_tokens`` (the first sampled token ids),
     ``prompt_token_ids``, ``kv_endpoint`` (opaque transceiver address), ``kv_layout``,
-    ``kv_block_count`` and ``lease_deadline`` (unix seconds). The orchestrator forwards them to the
-    gen server with ``request_type = "generation_only"``.
+    ``kv_block_count``, ``lease_deadline`` (unix seconds) and ``cached_tokens`` (prompt tokens the
+    ctx server's prefix cache held; the gen server reports them in ``usage``). The orchestrator
+    forwards them to the gen server with ``request_type = "generation_only"``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -75,6 +76,7 @@ class DisaggregatedParams(BaseModel):
     kv_layouts: list[KVLayoutModel] | None = None  # one per ctx TP rank; [0] == kv_layout
     kv_block_count: Count | None = None
     lease_deadline: float | None = None
+    cached_tokens: Count | None = Field(None, description="ctx answer: prompt tokens its prefix cache held")
 
     @model_validator(mode="after")
     def _generation_only_has_ctx_state(self) -> "DisaggregatedParams":
@@ -125,6 +127,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=4096, description="vLLM's field: requests with different "
+                                   "salts never share prefix-cache blocks (e.g. one salt per tenant)")
     disaggregated_params: DisaggregatedParams | None = None
 
     @field_validator("stop")
@@ -214,10 +218,18 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` = prompt tokens whose KV came from
+    the prefix cache (on the disaggregated path: the ctx server's cache)."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def new_id(prefix: str) -> str:

@@ -90,5 +90,9 @@ def test_queue_time_reported_once_and_grows_with_the_queue(tiny_engine_factory, 
     assert [len(v) for v in reported.values()] == [1, 1]
     assert 0 <= reported["q0"][0] < reported["q1"][0]
     assert reported["q1"][0] >= 0.9 * first_done["q0"]  # q1 was admitted only after q0 finished
-    assert eng.stats() == {"free_blocks": 64, "total_blocks": 64, "waiting_requests": 0,
-                           "scheduled_requests": 0, "pulling_requests": 0, "parked_requests": 0}
+    stats = eng.stats()
+    assert {k: stats[k] for k in ("free_blocks", "total_blocks", "waiting_requests", "scheduled_requests",
+                                  "pulling_requests", "parked_requests")} == {
+        "free_blocks": 64, "total_blocks": 64, "waiting_requests": 0, "scheduled_requests": 0,
+        "pulling_requests": 0, "parked_requests": 0}
+    assert stats["prefix_cache_queries"] == sum(len(p) for p in prompts) and stats["prefix_cache_hits"] == 0

@@ -77,7 +77,8 @@ def _drive(engine: LLMEngine, name: str, prompts: list[list[int]]) -> dict:
     engine.step(extra=("idle", name))     # no model run: an extra-only broadcast
     assert engine.num_free_blocks == engine.config.num_kv_blocks
     return {"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "sent": sent,
-            "local_kv_heads": engine.local_kv_heads, "kv_shape": tuple(engine.kv_cache.shape)}
+            "local_kv_heads": engine.local_kv_heads, "kv_shape": tuple(engine.kv_cache.shape),
+            "prefix_cache_hits": engine.stats()["prefix_cache_hits"]}
 
 
 def _count_forwards(engine: LLMEngine) -> list[int]:
@@ -131,15 +132,19 @@ def uneven_tiny_dir(tmp_path_factory, tiny_dir):
 def tp2_run(tiny_dir, uneven_tiny_dir, smollm2_engine):
     tok = smollm2_engine.tokenizer
     prompts = _prompts(tok, 3 * 16)
+    # Prompts sharing a 3-block head: with the 48-token budget the later ones are admitted after
+    # the first one's head is computed, so they start after its cached blocks.
+    shared = [prompts[0][:48] + p[:20] for p in prompts]
     scenarios = [("tiny_even", str(tiny_dir), TINY_KW, prompts),
                  ("tiny_uneven", str(uneven_tiny_dir), TINY_KW, prompts),
-                 ("smollm2", "smollm2", SMOL_KW, prompts)]
+                 ("smollm2", "smollm2", SMOL_KW, prompts),
+                 ("tiny_uneven_shared", str(uneven_tiny_dir), TINY_KW, shared)]
     t0 = time.perf_counter()
     res = run_group(_tp_scenarios, 2, scenarios, timeout_s=60.0)
     for rank, (status, value) in res.items():
         assert status == "ok", f"rank {rank} failed:\n{value}"
     print(f"TP=2 group ran in {time.perf_counter() - t0:.1f} s")
-    return {name: (res[0][1][name], res[1][1][name]) for name, *_ in scenarios}, prompts
+    return {name: (res[0][1][name], res[1][1][name]) for name, *_ in scenarios}, prompts, shared
 
 
 def _tp1_tokens(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -148,7 +153,7 @@ def _tp1_tokens(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_tp2_tiny_even_matches_tp1(tp2_run, tiny_engine_factory):
-    runs, prompts = tp2_run
+    runs, prompts, _ = tp2_run
     r0, r1 = runs["tiny_even"]
     assert (r0["local_kv_heads"], r1["local_kv_heads"]) == (1, 1)
     assert r0["kv_shape"] == r1["kv_shape"] == (64, 2, 2, 16, 1, 16)
@@ -156,7 +161,7 @@ def test_tp2_tiny_even_matches_tp1(tp2_run, tiny_engine_factory):
 
 
 def test_tp2_tiny_uneven_matches_tp1(tp2_run, uneven_tiny_dir):
-    runs, prompts = tp2_run
+    runs, prompts, _ = tp2_run
     r0, r1 = runs["tiny_uneven"]
     assert (r0["local_kv_heads"], r1["local_kv_heads"]) == (1, 2)
     assert (r0["kv_shape"][4], r1["kv_shape"][4]) == (1, 2)
@@ -165,14 +170,22 @@ def test_tp2_tiny_uneven_matches_tp1(tp2_run, uneven_tiny_dir):
 
 
 def test_tp2_smollm2_matches_tp1(tp2_run, smollm2_engine):
-    runs, prompts = tp2_run
+    runs, prompts, _ = tp2_run
     r0, r1 = runs["smollm2"]
     assert (r0["local_kv_heads"], r1["local_kv_heads"]) == (1, 2)
     assert r0["kv_shape"] == (512, 30, 2, 16, 1, 64) and r1["kv_shape"][4] == 2
     assert r0["tokens"] == _tp1_tokens(smollm2_engine, prompts)
 
 
-@pytest.mark.parametrize("name", ["tiny_even", "tiny_uneven", "smollm2"])
+def test_tp2_prefix_cache_hits_match_tp1_uncached(tp2_run, uneven_tiny_dir):
+    runs, _, shared = tp2_run
+    r0, _ = runs["tiny_uneven_shared"]
+    assert r0["prefix_cache_hits"] >= 2 * 48, "the later prompts should start after the cached head"
+    ref = LLMEngine(EngineConfig(model=str(uneven_tiny_dir), enable_prefix_caching=False, **TINY_KW))
+    assert r0["tokens"] == _tp1_tokens(ref, shared)
+
+
+@pytest.mark.parametrize("name", ["tiny_even", "tiny_uneven", "smollm2", "tiny_uneven_shared"])
 def test_extras_arrive_in_order_before_their_step(tp2_run, name):
     r0, r1 = tp2_run[0][name]
     assert r1["stopped"]

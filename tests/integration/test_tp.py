@@ -93,3 +93,23 @@ def test_disaggregated_tp_pairings_equal_colocated(servers, ctx_tp, gen_tp):
         assert httpx.get(servers["gen2"] + "/server_info", timeout=10).json()["kv_same_host_reads"] == 0
     if (ctx_tp, gen_tp) == (2, 1):  # both from file "a": each ctx shard was read straight from its process
         assert httpx.get(servers["gen1"] + "/server_info", timeout=10).json()["kv_same_host_reads"] >= 2 * len(PROMPTS)
+
+
+def test_prefix_cache_ctx_tp2_to_gen_tp1(servers):
+    """A prompt repeated on a TP-2 ctx server hits its cache (block hashes ignore the TP layout); the
+    TP-1 gen server's answer equals the colocated one and reports the ctx hit."""
+    prompt = list(range(3, 3 + 69))                          # block_size 4: 17 full blocks + 1 token
+    reference = complete(servers["gen1"], body(prompt, cache_salt="tp-ref"))
+    for want in (0, 68):
+        r = httpx.post(servers["ctx2"] + "/v1/completions", timeout=120,
+                       json=body(prompt, cache_salt="tp-shared", disaggregated_params={"request_type": "context_only"}))
+        assert r.status_code == 200, r.text
+        ctx_params = r.json()["choices"][0]["disaggregated_params"]
+        assert ctx_params["cached_tokens"] == want
+        g = httpx.post(servers["gen1"] + "/v1/completions", timeout=120,
+                       json=body(prompt, cache_salt="tp-shared",
+                                 disaggregated_params={**ctx_params, "request_type": "generation_only"}))
+        assert g.status_code == 200, g.text
+        assert g.json()["choices"][0]["text"] == reference
+        assert g.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == want
+

@@ -46,16 +46,19 @@ class Behavior:
     answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
     kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
     max_model_len: int = 2048              # what /server_info reports
+    reset_status: int = 200                # POST /reset_prefix_cache answers this
 
 
 @dataclass
 class Record:
     bodies: list[dict] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)  # X-Request-Id of each completion request
     releases: list[str] = field(default_factory=list)
     leases: set[str] = field(default_factory=set)
     aborted_streams: int = 0
     aborted_requests: int = 0              # non-stream requests whose client left before the answer
     finished_streams: int = 0
+    prefix_resets: list[str | None] = field(default_factory=list)  # the Authorization header of each
 
 
 def _max_tokens(body: dict, chat: bool) -> int:
@@ -139,6 +142,7 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
     async def complete(request: Request, chat: bool):
         body = await request.json()
         rec.bodies.append(body)
+        rec.request_ids.append(request.headers.get("x-request-id"))
         if beh.fail_status is not None and beh.fail_times > 0:
             beh.fail_times -= 1
             return JSONResponse(error_body("injected failure", "internal_server_error", beh.fail_status),
@@ -181,6 +185,14 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
             return JSONResponse(error_body("Not Found", "not_found", 404), 404)
         return {"role": role, "model": MODEL, "state": "serving", "kv_layout": beh.kv_layout,
                 "kv_layouts": [beh.kv_layout], "max_model_len": beh.max_model_len}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        rec.prefix_resets.append(request.headers.get("authorization"))
+        if beh.reset_status != 200:
+            return JSONResponse(error_body("injected failure", "internal_server_error", beh.reset_status),
+                                beh.reset_status)
+        return {"freed_blocks": 3}
 
     @app.post("/disagg/release")
     async def release(request: Request):

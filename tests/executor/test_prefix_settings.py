@@ -1,0 +1,13 @@
+"""engine.enable_prefix_caching and the served model name flow from the topology to the engine."""
+from executor.server_setup import engine_config
+from pdserve.config import parse_topology
+
+
+def test_enable_prefix_caching_per_pool():
+    topo = parse_topology({"model": {"path": "/m", "name": "served-name"},
+                           "pools": {"ctx": {"servers": [{"port": 9001}]},
+                                     "gen": {"servers": [{"port": 9002}],
+                                             "engine": {"enable_prefix_caching": False}}}})
+    ctx, gen = (engine_config(topo.server_config(role, 0)) for role in ("ctx", "gen"))
+    assert ctx.enable_prefix_caching is True and gen.enable_prefix_caching is False
+    assert ctx.served_model_name == gen.served_model_name == "served-name"   # names blocks, as the KV layout does
