@@ -104,7 +104,8 @@ class DisaggFlow:
         ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
         if ids is None:
             return RouteHint(session=ex.session) if ex.session else None
-        return RouteHint(block_hashes(ids, self._block_size, self._model, self._dtype, ex.body.get("cache_salt")),
+        dtype = self._dtype if self._dtype != "auto" else (self._pools.accepted_dtype() or self._dtype)
+        return RouteHint(block_hashes(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")),
                          len(ids), ex.session)
 
     def _is_short(self, hint: RouteHint | None) -> bool:
