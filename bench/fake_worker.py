@@ -11,7 +11,9 @@ It speaks what each router in the overhead experiment asks of a worker:
 - sglang-router's PD mode (requests carrying ``bootstrap_room``): with ``--role prefill`` the
   answer is one token (the router drains it), with ``--role decode`` the full answer;
 - ``GET /health``, ``/v1/models``, ``/server_info``, ``/get_server_info``, ``/model_info``,
-  ``/get_model_info`` (naming ``--tokenizer-dir``, which sglang-router loads).
+  ``/get_model_info`` (naming ``--tokenizer-dir``, which sglang-router loads);
+- pdserve's ``GET /tokenizer`` (tokenizer.json + chat template of ``--tokenizer-dir``), which the
+  orchestrator's ``kv_cache_aware`` router loads to hash prompts.
 
 Raw ASGI on uvicorn (no FastAPI) so the worker costs far less than the routers it measures.
 """
@@ -23,6 +25,7 @@ import asyncio
 import json
 import time
 import uuid
+from pathlib import Path
 
 MODEL = "fake-model"
 WORD = " tok"
@@ -58,6 +61,16 @@ class FakeWorker:
                 "bos_token_id": 1, "pad_token_id": 2, "max_req_input_len": 8191,
                 "internal_states": [{"last_gen_throughput": 0.0}]}
 
+    def tokenizer_payload(self) -> dict:
+        d = Path(self.tokenizer_dir)
+        config = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").exists() else {}
+        template = config.get("chat_template")
+        if template is None and (d / "chat_template.jinja").exists():
+            template = (d / "chat_template.jinja").read_text()
+        token = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+        return {"tokenizer_json": (d / "tokenizer.json").read_text(), "chat_template": template,
+                "bos_token": token(config.get("bos_token")), "eos_token": token(config.get("eos_token")), "model": MODEL}
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             while True:
@@ -81,6 +94,8 @@ class FakeWorker:
             if path == "/stats":
                 return await self._json(send, 200, {"requests": self.requests, "bootstrapped": self.bootstrapped,
                                                     "phases": self.phases})
+            if path == "/tokenizer":
+                return await self._json(send, 200, self.tokenizer_payload())
             if path in ("/get_load", "/v1/loads"):
                 return await self._json(send, 200, {"load": 0})
             return await self._json(send, 404, {"error": {"message": f"no route {path}"}})

@@ -13,17 +13,25 @@ Two fake workers A and B answer at once (no model). Paths:
   *and* B at once with ``bootstrap_host/port/room`` added; the client gets B's stream. (In SGLang
   the KV handoff then runs worker to worker; here nothing moves.)
 
-Routers are pinned to core 1, workers and the load generator to core 0 (taskset); both routers use
-round-robin. Latency: concurrency 1, ``--latency-prompts`` streamed requests of 16 tokens;
-added latency = router's TTFT/E2EL minus direct. Throughput: rate inf, concurrency
-``--conc``, the maximum requests/s the client measured. Targets alternate within each repeat; cells
-are medians of ``--repeats``. Writes the ``overhead`` section of docs/benchmarks.md.
+Routers are pinned to core 1, workers and the load generators to core 0 (taskset); sglang-router
+uses round-robin, pdserve runs once per ``--pdserve-routers`` policy (one orchestrator each, the
+others idle meanwhile). Latency: concurrency 1, ``--latency-prompts`` streamed requests of 16
+tokens through the Python client (``pdserve bench``); added latency = router's TTFT/E2EL minus
+direct. Throughput, two clients: the Python client (rate inf, concurrency ``--conc``: one Python
+process, which tops out near 400-800 req/s on one core, so it cannot show a faster router) and
+``wrk`` (compiled, epoll, ``--wrk-threads`` threads on core 0, ``--conc`` keep-alive connections,
+``--wrk-seconds`` per run: ~10x less CPU per request than the Python client). Targets alternate
+within each repeat; cells are medians of ``--repeats``. Writes the ``overhead`` section of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,18 +60,21 @@ def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
     procs.wait_http("worker_b", b_url + "/health", 30)
     urls = {"direct": b_url}
     procs.worker_urls = {"worker_a": a_url, "worker_b": b_url}
-    port = free_port()
-    topo = RESULTS / "overhead" / "pdserve.yaml"
-    topo.parent.mkdir(parents=True, exist_ok=True)
-    topo.write_text(yaml.safe_dump({
-        "model": {"path": str(tok_dir), "name": "fake-model"},
-        "orchestrator": {"host": "127.0.0.1", "port": port, "router": "round_robin", "health_interval_s": 1.0},
-        "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
-                  "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}},
-    }, sort_keys=False))
-    procs.start("pdserve", [PY, "-m", "orchestrator", "--config", str(topo)], cores="1")
-    urls["pdserve orchestrator"] = f"http://127.0.0.1:{port}"
-    procs.wait_http("pdserve", urls["pdserve orchestrator"] + "/health", 60)
+    for router in a.pdserve_routers.split(","):
+        port = free_port()
+        topo = RESULTS / "overhead" / f"pdserve-{router}.yaml"
+        topo.parent.mkdir(parents=True, exist_ok=True)
+        topo.write_text(yaml.safe_dump({
+            "model": {"path": str(tok_dir), "name": "fake-model"},
+            "orchestrator": {"host": "127.0.0.1", "port": port, "router": router, "health_interval_s": 1.0,
+                             "max_inflight_requests": 4096},
+            "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
+                      "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}},
+        }, sort_keys=False))
+        name = f"pdserve {router}"
+        procs.start(name, [PY, "-m", "orchestrator", "--config", str(topo), "--log-level", "warning"], cores="1")
+        urls[name] = f"http://127.0.0.1:{port}"
+        procs.wait_http(name, urls[name] + "/health", 60)
     if a.sglang_python and Path(a.sglang_python).exists():
         port, prom = free_port(), free_port()
         procs.start("sglang", [a.sglang_python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -85,6 +96,41 @@ def run_one(url: str, argv: list[str]) -> dict:
     return m
 
 
+def cpu_flags() -> str:
+    """The flags that change what a number means here (FACTS.md: the machine is not always the same)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return "unknown"
+    return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none of avx2/avx512"
+
+
+def wrk_script(path: Path, seed: int) -> Path:
+    """A wrk Lua script POSTing one streamed 32-word completion (the latency runs' shape)."""
+    import random
+
+    rng = random.Random(seed)
+    words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"]) for _ in range(32))
+    body = json.dumps({"model": "fake-model", "prompt": words, "max_tokens": 16, "stream": True})
+    path.write_text(f"wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\n"
+                    f"wrk.body = [[{body}]]\n")
+    return path
+
+
+def run_wrk(url: str, a: argparse.Namespace, seed: int) -> dict:
+    """Max req/s of ``url`` + ``/v1/completions`` with wrk pinned to core 0. Raises on errors."""
+    script = wrk_script(RESULTS / "overhead" / "wrk.lua", seed)
+    cmd = ["taskset", "-c", "0", "wrk", "-t", str(a.wrk_threads), "-c", str(a.conc), "-d", f"{a.wrk_seconds}s",
+           "--timeout", "10s", "-s", str(script), url + "/v1/completions"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.wrk_seconds + 60).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    if bad or errors:
+        raise RuntimeError(f"wrk against {url}: {bad.group(0) if bad else ''} {errors.group(0) if errors else ''}\n{out}")
+    return {"request_throughput": rps, "output": out}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sglang-python", default=None, help="python of a venv with sglang-router (skipped if absent)")
@@ -92,11 +138,18 @@ def main() -> int:
     p.add_argument("--latency-prompts", type=int, default=200)
     p.add_argument("--throughput-prompts", type=int, default=1500)
     p.add_argument("--conc", type=int, default=32)
+    p.add_argument("--pdserve-routers", default="round_robin,kv_cache_aware",
+                   help="one pdserve orchestrator per policy (comma-separated)")
+    p.add_argument("--wrk-seconds", type=int, default=8)
+    p.add_argument("--wrk-threads", type=int, default=1)
     a = p.parse_args()
+    if shutil.which("wrk") is None:
+        p.error("wrk is not installed (apt-get install -y wrk): the Python client alone cannot measure max req/s")
     t0 = time.monotonic()
     load0 = loadavg()
     lat: dict[str, list[dict]] = {}
     thr: dict[str, list[dict]] = {}
+    wrk: dict[str, list[dict]] = {}
     calls: dict = {}
     with Procs(RESULTS / "overhead" / "logs") as procs:
         urls = start(procs, a)
@@ -108,13 +161,16 @@ def main() -> int:
                 m2 = run_one(url, ["--num-prompts", str(a.throughput_prompts), "--max-concurrency", str(a.conc),
                                    "--request-rate", "inf", "--seed", str(rep)])
                 thr.setdefault(name, []).append(m2)
+                w = run_wrk(url, a, rep)
+                wrk.setdefault(name, []).append(w)
                 say(f"repeat {rep} {name}: TTFT p50 {m['ttft_ms']['median']:.2f} ms, "
-                    f"p99 {m['ttft_ms']['p99']:.2f} ms; max {m2['request_throughput']:.0f} req/s")
+                    f"p99 {m['ttft_ms']['p99']:.2f} ms; max {m2['request_throughput']:.0f} req/s (python), "
+                    f"{w['request_throughput']:.0f} req/s (wrk)")
         import httpx
 
         for w, wurl in procs.worker_urls.items():
             calls[w] = httpx.get(f"{wurl}/stats", trust_env=False).json()
-    (RESULTS / "overhead" / "results.json").write_text(json.dumps({"latency": lat, "throughput": thr,
+    (RESULTS / "overhead" / "results.json").write_text(json.dumps({"latency": lat, "throughput": thr, "wrk": wrk,
                                                                     "worker_calls": calls}, indent=2))
     base_ttft50 = median([m["ttft_ms"]["median"] for m in lat["direct"]])
     base_ttft99 = median([m["ttft_ms"]["p99"] for m in lat["direct"]])
@@ -127,36 +183,42 @@ def main() -> int:
         e50 = median([m["e2el_ms"]["median"] for m in lat[name]])
         e99 = median([m["e2el_ms"]["p99"] for m in lat[name]])
         rps = median([m["request_throughput"] for m in thr[name]])
-        summary[name] = (t50 - base_ttft50, t99 - base_ttft99, rps)
+        wrps = median([m["request_throughput"] for m in wrk[name]])
+        summary[name] = (t50 - base_ttft50, t99 - base_ttft99, wrps)
         rows.append([name, f"{t50:.2f}", f"{t99:.2f}", f"{t50 - base_ttft50:+.2f}", f"{t99 - base_ttft99:+.2f}",
-                     f"{e50 - base_e2e50:+.2f}", f"{e99 - base_e2e99:+.2f}", f"{rps:.0f}",
-                     " / ".join(f"{m['request_throughput']:.0f}" for m in thr[name])])
+                     f"{e50 - base_e2e50:+.2f}", f"{e99 - base_e2e99:+.2f}", f"{rps:.0f}", f"{wrps:.0f}",
+                     " / ".join(f"{m['request_throughput']:.0f}" for m in wrk[name])])
     table = md_table(["path", "TTFT p50 ms", "TTFT p99 ms", "added TTFT p50", "added TTFT p99", "added E2EL p50",
-                      "added E2EL p99", "max req/s", "req/s runs"], rows)
+                      "added E2EL p99", "max req/s (python)", "max req/s (wrk)", "wrk runs"], rows)
     plot(summary, FIGURES / "orchestrator_overhead.png")
     direct_rps = summary["direct"][2]
     parts = [f"{n} adds {v[0]:+.1f} ms to TTFT at p50 ({v[1]:+.1f} ms at p99) and tops out at {v[2]:.0f} req/s "
-             f"({v[2] / direct_rps:.2f}× direct)" for n, v in summary.items() if n != "direct"]
-    reading = ("**Reading:** " + "; ".join(parts) + f". Direct tops out at {direct_rps:.0f} req/s, the ceiling of this "
-               "setup (the Python load generator shares core 0 with the workers), so a router near that number is "
+             f"with wrk ({v[2] / direct_rps:.2f}× direct)" for n, v in summary.items() if n != "direct"]
+    reading = ("**Reading:** " + "; ".join(parts) + f". Direct tops out at {direct_rps:.0f} req/s with wrk: the "
+               "ceiling of this setup (wrk and both fake workers share core 0), so a router near that number is "
                "not the bottleneck here.")
     cmd = " ".join(["python bench/orchestrator_overhead.py"] + sys.argv[1:])
     body = f"""## Orchestrator overhead: direct vs pdserve orchestrator vs sglang-router (PD mode)
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 
-{conditions(load0)}
+{conditions(load0)} CPU flags: {cpu_flags()}.
 
 The workers are `bench/fake_worker.py` (raw ASGI on uvicorn, answers at once, no model), so every
 millisecond above *direct* is the router's. Routers pinned to core 1, workers and the load
-generator to core 0. Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
-concurrency 1 ({a.latency_prompts} requests per run); max req/s at concurrency {a.conc}, rate inf
-({a.throughput_prompts} requests per run). Medians of {a.repeats} repeats, targets alternating.
+generators to core 0. Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
+concurrency 1 ({a.latency_prompts} requests per run, Python client); max req/s at concurrency {a.conc}, rate inf,
+with the Python client ({a.throughput_prompts} requests per run) and with `wrk` ({a.wrk_threads} thread,
+{a.conc} keep-alive connections, {a.wrk_seconds} s per run; the Python client is one process that tops out
+near 400–800 req/s on one core, wrk costs ~10× less per request). Medians of {a.repeats} repeats,
+targets alternating.
 
 What each router does per request (be fair when reading the numbers):
-- **pdserve orchestrator** (Python, FastAPI/uvicorn, one process): validates the body, POSTs the
-  context phase to A and waits for its JSON answer, then POSTs the generation phase to B and
-  relays its SSE stream. Two upstream round trips in sequence — the cost of `context_first`.
+- **pdserve orchestrator** (Python, uvicorn + uvloop + httptools, one process, its own pooled
+  HTTP/1.1 client): validates the body, POSTs the context phase to A and waits for its JSON
+  answer, then POSTs the generation phase to B and relays its SSE stream. Two upstream round
+  trips in sequence — the cost of `context_first`. `kv_cache_aware` also tokenizes the prompt
+  and hashes its blocks at the orchestrator.
 - **sglang-router** (Rust, `--pd-disaggregation`): sends the request to A and B *at once* with
   `bootstrap_*` fields and relays B's stream; the prefill→decode handoff is the workers' business
   (over the bootstrap server), so the router's own critical path has one round trip.
@@ -187,7 +249,7 @@ def plot(summary: dict, path: Path) -> None:
     axes[0].set_ylabel("added TTFT vs direct (ms)")
     axes[0].legend(fontsize=8)
     axes[1].bar(list(x), [summary[n][2] for n in names], 0.5)
-    axes[1].set_ylabel("max requests/s (client-measured)")
+    axes[1].set_ylabel("max requests/s (wrk)")
     for ax in axes:
         ax.set_xticks(list(x), names, fontsize=8)
         ax.grid(axis="y", alpha=0.3)

@@ -11,7 +11,9 @@ class EngineConfig:
     """Settings of one LLMEngine.
 
     model: "smollm2" alias, path to a .gguf file, or a HF directory (config.json + *.safetensors).
-    dtype: "float32" | "bfloat16" for weights, activations and the KV cache.
+    dtype: "float32" | "bfloat16" for weights, activations and the KV cache. Always concrete: a
+        topology's ``engine.dtype: auto`` is resolved once by the server at start
+        (pdserve.dtypes.resolve_dtype, from the CPU flags) and passed down resolved.
     block_size: tokens per KV block; num_kv_blocks: blocks in the paged KV cache.
     max_batch_size: max running sequences per step; max_num_tokens: token budget per step.
     max_model_len: longest sequence (prompt + output) in tokens; None = min(model max positions,
@@ -44,6 +46,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("EngineConfig.model must be a non-empty string")
+        if self.dtype == "auto":
+            raise ValueError("EngineConfig.dtype 'auto' must be resolved before the engine is built "
+                             "(pdserve.dtypes.resolve_dtype with the CPU flags)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "num_kv_blocks", "max_batch_size", "max_num_tokens"):

@@ -38,6 +38,7 @@ from executor.openai_adapter import (
     sampling_params,
 )
 from executor.phases import PhaseAnswer, PhaseError, PhaseHandler
+from pdserve import request_id
 from pdserve.asgi_guard import ErrorBoundary
 from pdserve.config import ServerConfig
 from pdserve.protocol import (
@@ -122,7 +123,9 @@ async def read_request(request: Request, model: type[BaseModel]) -> BaseModel:
 
 
 class FrontendHeader:
-    """Pure ASGI middleware adding ``x-pdserve-frontend: <id>`` to every response (streams included)."""
+    """Pure ASGI middleware adding ``x-pdserve-frontend: <id>`` to every response (streams included),
+    and echoing the caller's ``X-Request-Id`` (the orchestrator's request id), which log lines
+    written for the request carry too (:mod:`pdserve.request_id`)."""
 
     def __init__(self, app, frontend_id: int) -> None:
         self.app, self.value = app, str(frontend_id).encode()
@@ -130,13 +133,19 @@ class FrontendHeader:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        rid = request_id.from_scope_headers(scope["headers"])
+        extra = [(b"x-pdserve-frontend", self.value)] + ([(request_id.HEADER, rid.encode())] if rid else [])
 
         async def send_with_header(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-pdserve-frontend", self.value)]}
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
-        await self.app(scope, receive, send_with_header)
+        token = request_id.current.set(rid)
+        try:
+            await self.app(scope, receive, send_with_header)
+        finally:
+            request_id.current.reset(token)
 
 
 def create_server_app(state: ServerState) -> FastAPI:
@@ -157,6 +166,7 @@ def create_server_app(state: ServerState) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(ErrorBoundary, name=f"{state.config.role} server")
     app.add_middleware(FrontendHeader, frontend_id=state.frontend_id)  # outermost: on error bodies too
+    request_id.install_log_filter(None)  # log lines written for a request start with its id
 
     _add_info_routes(app, state)
     for router in state.routers:

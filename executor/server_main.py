@@ -29,8 +29,25 @@ from executor.kv_role import RankShards
 from executor.proxy import Proxy, StartupError
 from executor.server_setup import engine_config, kv_layout, load_plugin, make_state, worker_plugin
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
+from pdserve.dtypes import emulation_warning, read_cpu_flags
 
 log = logging.getLogger("pdserve.server")
+
+
+def resolve_dtype_once(cfg: ServerConfig, cpu_flags: frozenset[str]) -> ServerConfig:
+    """``cfg`` with ``engine.dtype`` concrete for a CPU with ``cpu_flags``; warns when that is bf16
+    without native bf16 (emulated: 5-20x slower prefill).
+
+    The one place a server resolves its dtype (``main``, before anything is launched): the ranks,
+    the attached frontends, the engine and the KV layout (``/server_info``, the orchestrator's join
+    check) all get the concrete value.
+    """
+    resolved = cfg.with_resolved_dtype(cpu_flags)
+    if (warning := emulation_warning(resolved.engine.dtype, cpu_flags)) is not None:
+        log.warning("%s[%d]: %s", cfg.role, cfg.index, warning)
+    if cfg.engine.dtype == "auto":
+        log.info("%s[%d]: engine.dtype auto resolved to %s", cfg.role, cfg.index, resolved.engine.dtype)
+    return resolved
 
 
 def build_inproc_state(cfg: ServerConfig) -> ServerState:
@@ -123,6 +140,7 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     except (TopologyError, IndexError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    cfg = resolve_dtype_once(cfg, read_cpu_flags())
     sock = bind_socket(cfg.host, cfg.port)
     cfg = registration.with_bound_port(cfg, sock)  # control plane: --port 0
     log.info("%s[%d]: loading %s (%s executor, %s, %d KV blocks of %d tokens)", role, cfg.index, cfg.model.path,

@@ -11,6 +11,7 @@ import uvicorn
 from pdserve.config import TopologyError, load_topology
 
 from .app import create_app
+from pdserve.request_id import install_log_filter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,11 +28,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is too much
+    install_log_filter()  # every line names the request it was written for
     if args.host:
         topology = topology.model_copy(update={"orchestrator": topology.orchestrator.model_copy(update={"host": args.host})})
     s = topology.orchestrator
+    # No access-log line per request (the request metrics count them); uvicorn's "auto" loop and
+    # parser are uvloop and httptools, which uvicorn[standard] installs.
     uvicorn.run(create_app(topology, config_path=args.config), host=s.host, port=s.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, access_log=False, loop="auto", http="auto")
     return 0
 
 

@@ -6,12 +6,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,8 +27,12 @@ from pdserve.config import Role, Topology
 from pdserve.kv_pairing import join_layout
 from pdserve.protocol import ModelCard, ModelList, now_s
 
-from .disagg import DisaggFlow, Exchange
+from .admission import Admission
+from .disagg import DisaggFlow
 from .errors import OrchestratorError, error_response
+from .front import OPENAI_PATHS, serve_openai
+from .h1client import H1Client
+from .httpx_upstream import HttpxUpstream
 from .metrics import Metrics
 from .fleet import Backend, Fleet, ScaleError
 from .pools import ROLES, ClusterPools, HealthPoller
@@ -38,7 +40,7 @@ from .prefix_admin import add_prefix_cache_routes
 from .prompt_tokens import PromptTokenizer
 from .router import Router, make_routers
 from .tasks import TaskOwner
-from .validation import read_client_body, validation_message
+from .validation import validation_message
 
 log = logging.getLogger("orchestrator.app")
 
@@ -46,7 +48,9 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class Orchestrator:
-    """State of one app. ``client`` and ``flow`` exist between :meth:`start` and :meth:`stop`.
+    """State of one app. ``client`` (httpx, control plane: health polls, tokenizer, fleet),
+    ``upstream`` (the hot path's :class:`H1Client`) and ``flow`` exist between :meth:`start` and
+    :meth:`stop`.
 
     ``config_path`` (the topology file) is what launched servers read; it is needed when
     ``launcher.kind`` is ``local`` or ``slurm`` (then the app owns a :class:`Fleet`).
@@ -61,6 +65,8 @@ class Orchestrator:
         self.routers: dict[str, Router] = make_routers(topology)
         self.metrics = Metrics()
         self.tasks = TaskOwner()
+        self.admission = Admission(self.settings.max_inflight_requests, self.settings.retry_after_s)
+        self.upstream: H1Client | HttpxUpstream | None = None
         self._transport = transport
         self._backend = backend
         self.client: httpx.AsyncClient | None = None
@@ -85,8 +91,10 @@ class Orchestrator:
                                    s.health_failure_threshold, s.heartbeat_ttl_s)
         if self.needs_tokens:
             self.tokenizer = PromptTokenizer(self.client, [self.pools.gen, self.pools.ctx])
+        # A test transport replaces the network on the hot path too; otherwise the lean client.
+        self.upstream = H1Client(s.connect_timeout_s) if self._transport is None else HttpxUpstream(self.client)
         ctx_engine = self.topology.pool_engine("ctx")
-        self.flow = DisaggFlow(self.pools, self.routers, self.client, s, self.metrics, self.tasks, self.tokenizer,
+        self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
                                ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype)
         backend = self._backend or make_backend(self.topology, self.config_path)
         if backend is not None:
@@ -104,6 +112,8 @@ class Orchestrator:
         if self.fleet is not None:
             await self.fleet.stop()
         await self.tasks.close(SHUTDOWN_TIMEOUT_S)
+        if self.upstream is not None:
+            await self.upstream.aclose()
         if self.client is not None:
             await self.client.aclose()
 
@@ -147,7 +157,8 @@ def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None
         finally:
             await orch.stop()
 
-    app = FastAPI(title="pdserve orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = OrchestratorApp(title="pdserve orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.orchestrator = orch
     app.state.orchestrator = orch
     install_error_handlers(app)
     app.add_middleware(ErrorBoundary, name="orchestrator")
@@ -175,61 +186,24 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(err.status_code, str(err.detail))
 
 
-async def _until_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body has been read, so only a disconnect is left)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
+class OrchestratorApp(FastAPI):
+    """The FastAPI app, except that the OpenAI POST routes go straight to :func:`serve_openai`."""
+
+    orchestrator: Orchestrator
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in OPENAI_PATHS:
+            if scope["method"] == "POST":
+                await serve_openai(self.orchestrator, scope, receive, send)
+            else:
+                err = OrchestratorError(405, "Method Not Allowed", headers=(("Allow", "POST"),))
+                await err.answer()(scope, receive, send)
             return
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response | None:
-    """Run ``work``; cancel it (None) if the client disconnects first.
-
-    Cancelling closes the upstream connections of the flow, which is what makes a ctx or gen server
-    abort the request; the flow's own cleanup releases a parked lease.
-    """
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return None
-    return task.result()
+        await super().__call__(scope, receive, send)
 
 
 def add_openai_routes(app: FastAPI, orch: Orchestrator) -> None:
-    async def serve(request: Request, endpoint: str) -> Response:
-        status = 500
-        try:
-            body = await read_client_body(request, endpoint, orch.topology.model.name)
-            assert orch.flow is not None, "app not started"
-            response = await _unless_disconnected(request, orch.flow.handle(Exchange(endpoint, body)))
-            if response is None:
-                status = 499
-                orch.metrics.errors.labels(kind="client_disconnected").inc()
-                return Response(status_code=499)
-            status = response.status_code
-            return response
-        except OrchestratorError as err:
-            status = err.status
-            orch.metrics.errors.labels(kind=err.kind).inc()
-            return err.response()
-        finally:
-            orch.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(request, "/v1/completions")
+    """``GET /v1/models`` (the POST routes are served by :class:`OrchestratorApp` itself)."""
 
     @app.get("/v1/models")
     async def models() -> dict:

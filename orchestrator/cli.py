@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from pdserve.config import Topology, TopologyError, check_model_files, load_topology
+from pdserve.dtypes import describe_resolution, read_cpu_flags
 
 from . import control
 from .launcher import LaunchError, LocalLauncher
@@ -101,10 +102,12 @@ def cmd_config_check(config: str, check_files: bool = True) -> int:
         print(f"error: {config}: " + "\n".join(problems), file=sys.stderr)
         return 1
     print(yaml.safe_dump(topology.model_dump(mode="json"), sort_keys=False), end="")
-    print("# resolved servers (pool engine overrides applied):")
+    cpu_flags = read_cpu_flags()
+    print("# resolved servers (pool engine overrides applied; engine.dtype as a server on this machine resolves it):")
     for role in ("ctx", "gen"):
+        print(f"#   {role}: {describe_resolution(topology.pool_engine(role).dtype, cpu_flags)}")
         for i in range(len(getattr(topology.pools, role).servers)):
-            engine = topology.server_config(role, i).engine.model_dump(mode="json")
+            engine = topology.server_config(role, i).with_resolved_dtype(cpu_flags).engine.model_dump(mode="json")
             print(f"#   {role}[{i}] {topology.server_url(role, i)} engine: {json.dumps(engine)}")
         p = topology.pool(role)
         print(f"#   {role}: {p.initial_instances} initial instance(s), router {topology.pool_router(role)}, "

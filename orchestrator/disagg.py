@@ -19,20 +19,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from pdserve.config import OrchestratorSettings, Role
 
+from . import jsonio
+from .ctx_answer import parse_ctx_answer
 from .errors import OrchestratorError
+from .h1client import H1Client
 from .metrics import Metrics
 from .pools import ClusterPools, Server
-from .relay import RelayResponse, StreamRelay
+from .relay import StreamRelay
 from .prompt_tokens import PromptTokenizer
+from .responses import EventStream, JSONAnswer, iterate
 from .router import RouteHint, Router, block_hashes
 from .sse import answer_to_events
 from .tasks import TaskOwner
-from .upstream import AttemptFailed, open_stream, post_json, release_lease
+from .upstream import AttemptFailed, open_stream, post_json_raw, release_lease
+
+Response = JSONAnswer | EventStream | StreamRelay
 
 log = logging.getLogger("orchestrator.disagg")
 
@@ -54,6 +57,8 @@ class Exchange:
 
     endpoint: str  # "/v1/chat/completions" or "/v1/completions"; also the upstream path
     body: dict     # the client's body as received (already validated)
+    request_id: str | None = None  # the client's X-Request-Id (or one made for it): sent to every server
+    session: str | None = None     # session-affinity key (header or `user` field), when configured
     disagg_request_id: str = field(default_factory=lambda: f"disagg-{uuid.uuid4().hex}")
     started_s: float = field(default_factory=time.monotonic)
 
@@ -81,7 +86,7 @@ class DisaggFlow:
     conditional disaggregation needs them (``None``: never needed).
     """
 
-    def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: httpx.AsyncClient,
+    def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
                  tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
                  dtype: str = "") -> None:
@@ -96,13 +101,12 @@ class DisaggFlow:
         self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
-        if self._tokenizer is None:
-            return None
-        ids = await self._tokenizer.token_ids(ex.endpoint, ex.body)
+        ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
         if ids is None:
-            return None
-        return RouteHint(block_hashes(ids, self._block_size, self._model, self._dtype, ex.body.get("cache_salt")),
-                         len(ids))
+            return RouteHint(session=ex.session) if ex.session else None
+        dtype = self._dtype if self._dtype != "auto" else (self._pools.accepted_dtype() or self._dtype)
+        return RouteHint(block_hashes(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")),
+                         len(ids), ex.session)
 
     def _is_short(self, hint: RouteHint | None) -> bool:
         limit = self._settings.max_local_prefill_length
@@ -142,18 +146,18 @@ class DisaggFlow:
             return self._final_from_ctx(ex, answer)
         params = choice["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
-        gen_body = dict(ex.body)
-        gen_body["disaggregated_params"] = {**params, "request_type": "generation_only",
-                                            "disagg_request_id": ex.disagg_request_id}
+        gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
+            **params, "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id}})
         handed_over = False
         t_ctx = time.monotonic()
         try:
             if ex.stream:
                 _, response = await self._with_retries(
-                    "gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lambda: self.release_soon(lease)))
+                    "gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lambda: self.release_soon(lease, ex)),
+                    hint)
                 self._metrics.kv_handoff.observe(time.monotonic() - t_ctx)
             else:
-                _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body))
+                _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint)
             self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
             handed_over = True
             return response
@@ -163,12 +167,12 @@ class DisaggFlow:
         finally:
             # Any way out but a response (error, cancellation) abandons the gen phase.
             if not handed_over:
-                self.release_soon(lease)
+                self.release_soon(lease, ex)
 
     async def _colocated(self, ex: Exchange, hint: RouteHint | None) -> Response:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
-        body = dict(ex.body)
+        body = jsonio.dumps(ex.body)
         if ex.stream:
             _, response = await self._with_retries("gen", lambda s: self._gen_stream_attempt(ex, s, body, None), hint)
         else:
@@ -176,10 +180,10 @@ class DisaggFlow:
         self._metrics.routed.labels(pool="gen", path="colocated").inc()
         return response
 
-    def release_soon(self, lease: Lease) -> None:
+    def release_soon(self, lease: Lease, ex: Exchange) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
-        self._tasks.spawn(release_lease(self._client, lease.ctx_url, lease.ctx_request_id, RELEASE_TIMEOUT_S),
-                          name=f"release-{lease.ctx_request_id}")
+        self._tasks.spawn(release_lease(self._client, lease.ctx_url, lease.ctx_request_id, RELEASE_TIMEOUT_S,
+                                        ex.request_id), name=f"release-{lease.ctx_request_id}")
 
     async def _with_retries(self, role: Role, attempt: Callable[[Server], Awaitable[T]],
                             hint: RouteHint | None = None, exclude: set[str] | None = None) -> tuple[Server, T]:
@@ -216,33 +220,45 @@ class DisaggFlow:
         raise OrchestratorError(503, msg, kind=f"{role}_failed", type_="service_unavailable")
 
     async def _context_attempt(self, ex: Exchange, server: Server) -> dict:
-        body = dict(ex.body)
-        body["stream"] = False
+        body = {**ex.body, "stream": False,
+                "disaggregated_params": {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}}
         body.pop("stream_options", None)
-        body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}
         with server.track():
-            answer = await post_json(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "ctx")
+            raw = await post_json_raw(self._client, server, ex.endpoint, jsonio.dumps(body),
+                                      self._settings.request_timeout_s, "ctx", ex.request_id)
+        try:
+            answer = parse_ctx_answer(raw)
+        except ValueError:
+            raise AttemptFailed("ctx answer is not JSON") from None
         check_ctx_answer(answer)
         return answer
 
-    async def _gen_json_attempt(self, ex: Exchange, server: Server, body: dict) -> Response:
+    async def _gen_json_attempt(self, ex: Exchange, server: Server, body: bytes) -> Response:
         with server.track():
-            answer = await post_json(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "gen")
-        return self._json_response(ex, answer)
+            raw = await post_json_raw(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
+                                      "gen", ex.request_id)
+        try:
+            ok = isinstance(jsonio.loads(raw), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise AttemptFailed("gen answer is not a JSON object")
+        return self._json_response(ex, raw)  # relayed as the server wrote it
 
-    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: dict,
+    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: bytes,
                                   on_abandon: Callable[[], None] | None) -> Response:
         server.in_flight += 1  # handed to the relay, which drops it at close
         server.served += 1
         try:
-            stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s, "gen")
+            stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
+                                       "gen", ex.request_id)
         except BaseException:
             server.in_flight -= 1
             raise
         relay = StreamRelay(stream, server, ex.endpoint, ex.started_s,
                             ex.started_s + self._settings.request_timeout_s, self._metrics,
                             on_abandon=on_abandon or (lambda: None))
-        return RelayResponse(relay)
+        return relay
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:
         for choice in answer.get("choices", []):
@@ -252,21 +268,16 @@ class DisaggFlow:
         include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
         events = answer_to_events(answer, ex.chat, include_usage)
         self._observe_done(ex)
+        return EventStream(iterate(events))
 
-        async def body():
-            for event in events:
-                yield event
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    def _json_response(self, ex: Exchange, answer: dict) -> JSONResponse:
+    def _json_response(self, ex: Exchange, answer: dict | bytes) -> JSONAnswer:
         self._observe_done(ex)
-        return JSONResponse(answer)
+        return JSONAnswer(answer)
 
     def _observe_done(self, ex: Exchange) -> None:
         elapsed = time.monotonic() - ex.started_s
-        self._metrics.ttft.labels(endpoint=ex.endpoint).observe(elapsed)
-        self._metrics.e2e.labels(endpoint=ex.endpoint).observe(elapsed)
+        self._metrics.child(self._metrics.ttft, ex.endpoint).observe(elapsed)
+        self._metrics.child(self._metrics.e2e, ex.endpoint).observe(elapsed)
 
 
 def check_ctx_answer(answer: dict) -> None:

@@ -6,6 +6,8 @@ from fastapi.responses import JSONResponse
 
 from pdserve.protocol import error_body
 
+from .responses import JSONAnswer
+
 # OpenAI error ``type`` per HTTP status family.
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout_error"}
@@ -27,11 +29,13 @@ class OrchestratorError(Exception):
         code: OpenAI ``code`` field (defaults to ``status``).
         param: the request field at fault, if any.
         kind: a short label for the ``errors_total{kind}`` metric.
+        headers: extra response headers, e.g. ``(("Retry-After", "1"),)``.
         close_connection: answer with ``Connection: close`` (a 413 left the body unread).
     """
 
     def __init__(self, status: int, message: str, *, code: int | str | None = None,
-                 param: str | None = None, kind: str = "request", type_: str | None = None) -> None:
+                 param: str | None = None, kind: str = "request", type_: str | None = None,
+                 headers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,14 +43,20 @@ class OrchestratorError(Exception):
         self.param = param
         self.kind = kind
         self.type_ = type_ or error_type(status)
+        self.headers = headers
         self.close_connection = False
 
     def body(self) -> dict:
         return error_body(self.message, self.type_, self.code, self.param)  # type: ignore[arg-type]
 
     def response(self) -> JSONResponse:
-        headers = {"connection": "close"} if self.close_connection else None
+        headers = {**dict(self.headers), **({"connection": "close"} if self.close_connection else {})}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def answer(self) -> JSONAnswer:
+        """The same error as a hot-path ASGI answer."""
+        extra = (("Connection", "close"),) if self.close_connection else ()
+        return JSONAnswer(self.body(), self.status, (*self.headers, *extra))
 
 
 class UpstreamRejected(OrchestratorError):

@@ -17,6 +17,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple, object] = {}
         r = self.registry
         self.requests = Counter("pdserve_orchestrator_requests", "Client requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
@@ -54,6 +55,15 @@ class Metrics:
                                     "Requests the orchestrator has open on the pool's servers", ["pool"], registry=r)
         self.pool_target = Gauge("pdserve_orchestrator_pool_target_instances",
                                  "Target size of the pool (launched clusters)", ["pool"], registry=r)
+
+    def child(self, metric: Counter | Histogram, *labels: str):
+        """``metric.labels(*labels)``, cached: the hot path records ~8 samples per request and
+        prometheus_client's ``labels()`` validates and locks on every call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self, pools: ClusterPools, targets: dict[str, int] | None = None) -> bytes:
         """The text exposition, with the pool gauges refreshed first."""

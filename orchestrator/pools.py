@@ -203,6 +203,15 @@ class ClusterPools:
     def all_servers(self) -> list[Server]:
         return self.ctx.servers + self.gen.servers
 
+    def accepted_dtype(self) -> str | None:
+        """The KV dtype the accepted members report (they all agree: the join check), or ``None``
+        before any member with a layout was accepted. ``engine.dtype: auto`` resolves on each
+        server's CPU, so this, not the topology, is what names the servers' KV blocks."""
+        for server in self.all_servers():
+            if server.layout_ok and server.kv_layout and isinstance(server.kv_layout.get("dtype"), str):
+                return server.kv_layout["dtype"]
+        return None
+
     def layout_conflict(self, server: Server) -> str | None:
         """Why ``server``'s KV layout cannot pair with the accepted members, or ``None``. Members of
         the other pool are checked first; an unknown layout is not checked."""

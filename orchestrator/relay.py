@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-import anyio
-import httpx
-from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol import SSE_DONE
 
+from .h1client import UpstreamError
 from .metrics import Metrics
 from .pools import Server
 from .sse import error_events
@@ -28,15 +26,21 @@ from .upstream import OpenStream, describe
 
 log = logging.getLogger("orchestrator.relay")
 
-_CLOSE_TIMEOUT_S = 5.0
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
 
 
 class StreamRelay:
-    """Owns one open gen stream until :meth:`close`.
+    """Owns one open gen stream until :meth:`close`; ``await relay(scope, receive, send)`` is the
+    client's SSE response (an ASGI callable that never reads ``receive``).
 
     ``on_abandon`` is called (once, from :meth:`close`) when the stream did not finish cleanly.
-    ``deadline_s`` is a ``time.monotonic()`` instant after which the upstream is cut.
+    ``deadline_s`` is a ``time.monotonic()`` instant after which the upstream is cut (one timer per
+    stream, not one timeout per chunk).
     """
+
+    status_code = 200
 
     def __init__(self, stream: OpenStream, server: Server, endpoint: str, started_s: float, deadline_s: float,
                  metrics: Metrics, on_abandon: Callable[[], None]) -> None:
@@ -46,41 +50,58 @@ class StreamRelay:
         self._started_s = started_s
         self._deadline_s = deadline_s
         self._metrics = metrics
+        self._itl = metrics.child(metrics.itl, endpoint)
         self._on_abandon = on_abandon
         self._finished = False
         self._closed = False
 
-    async def body(self) -> AsyncIterator[bytes]:
-        """The bytes for the client: upstream chunks as they come, then an error event if it broke."""
-        t_first = t_prev = time.monotonic()
-        self._metrics.ttft.labels(endpoint=self._endpoint).observe(t_first - self._started_s)
-        yield self._stream.first_chunk
-        tail = self._stream.first_chunk[-len(SSE_DONE):]
-        chunks = 1
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timer = asyncio.get_running_loop().call_later(max(self._deadline_s - time.monotonic(), 0.0),
+                                                      self._stream.expire)
         try:
-            while True:
-                remaining = self._deadline_s - time.monotonic()
-                async with asyncio.timeout(max(remaining, 0.0)):
-                    chunk = await anext(self._stream.chunks, None)
-                if chunk is None:
-                    break
-                now = time.monotonic()
-                self._metrics.itl.labels(endpoint=self._endpoint).observe(now - t_prev)
-                t_prev, chunks = now, chunks + 1
-                yield chunk
-                tail = (tail + chunk)[-len(SSE_DONE):]
-        except (httpx.HTTPError, TimeoutError) as err:
-            reason = "timed out" if isinstance(err, TimeoutError) else describe(err)
-            for event in self._broken(tail, f"generation stream from {self._server.url} broke: {reason}"):
-                yield event
-            return
-        if tail != SSE_DONE:
-            for event in self._broken(tail, f"generation stream from {self._server.url} ended without [DONE]"):
-                yield event
-            return
+            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
+            await self._pump(send)
+        finally:
+            timer.cancel()
+            self.close()
+
+    async def _pump(self, send: Send) -> None:
+        """Upstream chunks to the client as they come; an error event if the stream broke.
+
+        The chunk after which the upstream has ended (``[DONE]`` read, message complete) goes out
+        as the last body message: one write to the client instead of two.
+        """
+        t_first = t_prev = time.monotonic()
+        self._metrics.child(self._metrics.ttft, self._endpoint).observe(t_first - self._started_s)
+        chunk, tail, chunks = self._stream.first_chunk, b"", 0
+        while True:
+            tail = (tail + chunk)[-len(SSE_DONE):]
+            chunks += 1
+            last = tail == SSE_DONE and self._stream.ended()
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                break
+            try:
+                chunk = await self._stream.next_chunk()
+            except UpstreamError as err:
+                await self._send_broken(send, tail, f"generation stream from {self._server.url} broke: {describe(err)}")
+                return
+            if chunk is None:
+                if tail != SSE_DONE:
+                    await self._send_broken(send, tail, f"generation stream from {self._server.url} ended without [DONE]")
+                    return
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                break
+            now = time.monotonic()
+            self._itl.observe(now - t_prev)
+            t_prev = now
         self._finished = True
         if chunks > 1:
-            self._metrics.tpot.labels(endpoint=self._endpoint).observe((t_prev - t_first) / (chunks - 1))
+            self._metrics.child(self._metrics.tpot, self._endpoint).observe((t_prev - t_first) / (chunks - 1))
+
+    async def _send_broken(self, send: Send, tail: bytes, message: str) -> None:
+        events = self._broken(tail, message)
+        await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
 
     def _broken(self, tail: bytes, message: str) -> list[bytes]:
         log.warning("%s", message)
@@ -90,34 +111,14 @@ class StreamRelay:
         prefix = [] if tail.endswith(b"\n\n") or not tail else [b"\n\n"]
         return prefix + error_events(message)
 
-    async def close(self) -> None:
-        """Idempotent cleanup; safe to call from a cancelled context (callers shield it)."""
+    def close(self) -> None:
+        """Idempotent cleanup; never awaits, so it also runs inside a cancelled task."""
         if self._closed:
             return
         self._closed = True
         self._server.in_flight -= 1
-        try:
-            await self._stream.aclose()
-        except httpx.HTTPError as err:
-            log.debug("closing gen stream: %s", describe(err))
-        self._metrics.e2e.labels(endpoint=self._endpoint).observe(time.monotonic() - self._started_s)
+        self._stream.close()  # before [DONE] this is what aborts the gen request
+        self._metrics.child(self._metrics.e2e, self._endpoint).observe(time.monotonic() - self._started_s)
         if not self._finished:
             self._on_abandon()
 
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that always runs the relay's cleanup, even on client disconnect."""
-
-    def __init__(self, relay: StreamRelay) -> None:
-        super().__init__(relay.body(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # Shielded: on disconnect this runs inside a cancelled scope, and the upstream must
-            # still be closed (that is what aborts the gen request) and the lease released.
-            with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-                await self._relay.close()

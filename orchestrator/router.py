@@ -7,14 +7,23 @@ orchestrator knows about the prompt (its KV block hashes); routers that do not n
 
 * ``round_robin``: cycles through the candidates.
 * ``least_loaded``: fewest in-flight requests (ties: round robin).
+* ``power_of_two``: two candidates drawn at random, the one with fewer in-flight requests wins
+  (Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing", 2001): near
+  least-loaded balance without every picker herding onto the same idle server.
 * ``kv_cache_aware``: the server whose recent requests share the longest prefix of KV blocks with
   this prompt (its prefix cache / parked blocks are likely warm there), ties broken by load; when
   that server has ``balance_threshold`` more in-flight requests than the least loaded one, or the
   best match covers less than ``min_match_ratio`` (half) of the prompt's blocks, load wins. Each server's block hashes are kept in a bounded LRU.
+
+Session affinity (``orchestrator.session_affinity``) wraps any of them: a request whose hint
+names a session goes to the server that session last used while that server is a candidate and
+not ``balance_threshold`` requests busier than the least loaded one; otherwise the inner policy
+picks and the session moves there.
 """
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,14 +34,17 @@ from pdserve.config import Topology
 from .pools import Pool, Server
 
 MAX_TRACKED_BLOCKS = 65536  # per server
+MAX_TRACKED_SESSIONS = 65536  # per pool
 
 
 @dataclass(frozen=True)
 class RouteHint:
-    """What a router may know about a request: the chained hashes of its full prompt blocks."""
+    """What a router may know about a request: the chained hashes of its full prompt blocks, its
+    prompt length in tokens, and its session-affinity key."""
 
     block_hashes: tuple[bytes, ...] = ()
     num_tokens: int = 0
+    session: str | None = None
 
 
 def block_hashes(token_ids: list[int], block_size: int, model: str = "", dtype: str = "",
@@ -93,6 +105,51 @@ class LeastLoadedRouter:
         return self._turns.next([s for s in candidates if s.in_flight == low])
 
 
+class PowerOfTwoRouter:
+    """Two random candidates, the less loaded wins (ties: the first drawn). ``seed`` for tests."""
+
+    needs_tokens = False
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
+        candidates = _candidates(pool, exclude)
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        a, b = self._rng.sample(candidates, 2)
+        return b if b.in_flight < a.in_flight else a
+
+
+class SessionAffinityRouter:
+    """Keeps a session on the server it last used (see the module docstring); ``inner`` picks the
+    rest. Sessions are remembered in a bounded LRU (:data:`MAX_TRACKED_SESSIONS`)."""
+
+    def __init__(self, inner: Router, balance_threshold: int = 4) -> None:
+        self.inner = inner
+        self.needs_tokens = inner.needs_tokens
+        self.balance_threshold = balance_threshold
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
+        session = hint.session if hint is not None else None
+        if session is None:
+            return self.inner.pick(pool, exclude, hint)
+        candidates = _candidates(pool, exclude)
+        url = self._sessions.get(session)
+        home = next((s for s in candidates if s.url == url), None) if url else None
+        if home is not None and home.in_flight - min(s.in_flight for s in candidates) <= self.balance_threshold:
+            self._sessions.move_to_end(session)
+            return home
+        best = self.inner.pick(pool, exclude, hint)
+        if best is not None:
+            self._sessions[session] = best.url
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > MAX_TRACKED_SESSIONS:
+                self._sessions.popitem(last=False)
+        return best
+
+
 @dataclass
 class _Seen:
     blocks: OrderedDict = field(default_factory=OrderedDict)
@@ -149,18 +206,25 @@ class KVCacheAwareRouter:
                 del self._seen[url]
 
 
-def make_router(name: str, balance_threshold: int = 4) -> Router:
-    """The router called ``name``. Raises ValueError for an unknown name."""
+def make_router(name: str, balance_threshold: int = 4, session_affinity: bool = False) -> Router:
+    """The router called ``name`` (wrapped in :class:`SessionAffinityRouter` when
+    ``session_affinity``). Raises ValueError for an unknown name."""
     if name == "round_robin":
-        return RoundRobinRouter()
-    if name == "least_loaded":
-        return LeastLoadedRouter()
-    if name == "kv_cache_aware":
-        return KVCacheAwareRouter(balance_threshold)
-    raise ValueError(f"unknown router {name!r} (round_robin, least_loaded, kv_cache_aware)")
+        router: Router = RoundRobinRouter()
+    elif name == "least_loaded":
+        router = LeastLoadedRouter()
+    elif name == "power_of_two":
+        router = PowerOfTwoRouter()
+    elif name == "kv_cache_aware":
+        router = KVCacheAwareRouter(balance_threshold)
+    else:
+        raise ValueError(f"unknown router {name!r} (round_robin, least_loaded, power_of_two, kv_cache_aware)")
+    return SessionAffinityRouter(router, balance_threshold) if session_affinity else router
 
 
 def make_routers(topology: Topology) -> dict[str, Router]:
     """One router per pool, as ``pools.<role>.router`` (default ``orchestrator.router``) says."""
-    t = topology.orchestrator.kv_aware_balance_threshold
-    return {role: make_router(topology.pool_router(role), t) for role in ("ctx", "gen")}
+    s = topology.orchestrator
+    affinity = s.session_affinity != "none"
+    return {role: make_router(topology.pool_router(role), s.kv_aware_balance_threshold, affinity)
+            for role in ("ctx", "gen")}

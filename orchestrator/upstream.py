@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import anyio
-import httpx
-
+from . import jsonio
 from .errors import UpstreamRejected, error_type
+from .h1client import H1Client, Response, UpstreamError, UpstreamTimeout
 from .pools import Server
 
 log = logging.getLogger("orchestrator.upstream")
@@ -42,70 +40,85 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def _json_or_error(resp: httpx.Response) -> dict:
+def _json_or_error(status: int, raw: bytes) -> dict:
     """The body as a JSON object; a non-JSON body becomes an OpenAI error body holding its text."""
     try:
-        body = resp.json()
+        body = jsonio.loads(raw)
     except ValueError:
         body = None
     if isinstance(body, dict):
         return body
-    text = resp.text[:500] or resp.reason_phrase
-    return {"error": {"message": text, "type": error_type(resp.status_code), "param": None,
-                      "code": resp.status_code}}
+    text = raw[:500].decode("utf-8", "replace") or f"HTTP {status}"
+    return {"error": {"message": text, "type": error_type(status), "param": None, "code": status}}
 
 
-def check_status(resp: httpx.Response, phase: str) -> None:
-    """Raise UpstreamRejected (4xx) or AttemptFailed (anything else but 2xx). Body must be read."""
-    if 200 <= resp.status_code < 300:
+def check_status(status: int, raw: bytes, phase: str) -> None:
+    """Raise UpstreamRejected (4xx) or AttemptFailed (anything else but 2xx) for an answer ``raw``."""
+    if 200 <= status < 300:
         return
-    body = _json_or_error(resp)
-    if 400 <= resp.status_code < 500:
-        raise UpstreamRejected(resp.status_code, body, phase)
+    body = _json_or_error(status, raw)
+    if 400 <= status < 500:
+        raise UpstreamRejected(status, body, phase)
     info = body.get("error") if isinstance(body.get("error"), dict) else {}
-    raise AttemptFailed(f"HTTP {resp.status_code}: {info.get('message', body)}", server_fault=False,
+    raise AttemptFailed(f"HTTP {status}: {info.get('message', body)}", server_fault=False,
                         error_type=info.get("type"))
 
 
-async def post_json(client: httpx.AsyncClient, server: Server, path: str, body: dict,
-                    timeout_s: float, phase: str) -> dict:
-    """POST ``body`` and return the JSON answer; the whole exchange is bounded by ``timeout_s``.
+def request_headers(request_id: str | None) -> tuple[tuple[str, str], ...]:
+    """Headers every upstream request carries: the client's request id, when there is one."""
+    return (("X-Request-Id", request_id),) if request_id else ()
+
+
+async def post_json_raw(client: H1Client, server: Server, path: str, body: bytes, timeout_s: float, phase: str,
+                        request_id: str | None = None) -> bytes:
+    """POST JSON ``body`` and return the raw 2xx answer; the whole exchange is bounded by ``timeout_s``.
 
     Raises:
         UpstreamRejected: the server answered 4xx.
-        AttemptFailed: 5xx, transport error, timeout, or a 2xx answer that is not a JSON object.
+        AttemptFailed: 5xx, transport error or timeout.
     """
+    resp: Response | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await client.post(f"{server.url}{path}", json=body)
+            resp = await client.post(server.url, path, body, request_headers(request_id))
+            raw = await resp.read()
     except TimeoutError:
         raise AttemptFailed(f"no answer within {timeout_s:g} s") from None
-    except httpx.HTTPError as err:
+    except UpstreamError as err:
         raise AttemptFailed(describe(err)) from None
-    check_status(resp, phase)
-    try:
-        answer = resp.json()
-    except ValueError:
-        raise AttemptFailed("answer is not JSON") from None
-    if not isinstance(answer, dict):
-        raise AttemptFailed("answer is not a JSON object")
-    return answer
+    finally:
+        if resp is not None:
+            resp.close()  # a no-op once read; on cancellation it closes the connection (aborts upstream)
+    check_status(resp.status, raw, phase)
+    return raw
 
 
 @dataclass
 class OpenStream:
     """An upstream streaming response whose first chunk has already arrived."""
 
-    response: httpx.Response
+    response: Response
     first_chunk: bytes
-    chunks: AsyncIterator[bytes]
 
-    async def aclose(self) -> None:
-        await self.response.aclose()
+    async def next_chunk(self) -> bytes | None:
+        """The next body piece, None at the end. Raises UpstreamError when the stream breaks."""
+        return await self.response.next_chunk()
+
+    def ended(self) -> bool:
+        """Whether the upstream response is complete and every chunk of it was read."""
+        return self.response.ended
+
+    def expire(self) -> None:
+        """Cut the stream: a pending or later :meth:`next_chunk` raises UpstreamTimeout."""
+        self.response.abort(UpstreamTimeout("timed out"))
+
+    def close(self) -> None:
+        """Idempotent; closing a stream that has not ended aborts the request on the server."""
+        self.response.close()
 
 
-async def open_stream(client: httpx.AsyncClient, server: Server, path: str, body: dict,
-                      timeout_s: float, phase: str) -> OpenStream:
+async def open_stream(client: H1Client, server: Server, path: str, body: bytes, timeout_s: float, phase: str,
+                      request_id: str | None = None) -> OpenStream:
     """POST a streaming request and wait (at most ``timeout_s`` s) for its first body chunk.
 
     Nothing has reached the client yet when this raises, so the caller may retry elsewhere.
@@ -114,60 +127,52 @@ async def open_stream(client: httpx.AsyncClient, server: Server, path: str, body
         UpstreamRejected: the server answered 4xx.
         AttemptFailed: 5xx, transport error, timeout, or a stream that ended before any byte.
     """
-    resp: httpx.Response | None = None
+    resp: Response | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await client.send(client.build_request("POST", f"{server.url}{path}", json=body), stream=True)
-            if not 200 <= resp.status_code < 300:
-                await resp.aread()
-                check_status(resp, phase)
-            chunks = resp.aiter_bytes()
+            resp = await client.post(server.url, path, body, request_headers(request_id))
+            if not 200 <= resp.status < 300:
+                check_status(resp.status, await resp.read(), phase)
             first = b""
             while not first:  # skip empty chunks
-                first = await anext(chunks)
-            return OpenStream(resp, first, chunks)
-    except (UpstreamRejected, AttemptFailed):
-        await _close_quietly(resp)
+                chunk = await resp.next_chunk()
+                if chunk is None:
+                    raise AttemptFailed("stream ended before its first byte")
+                first = chunk
+            return OpenStream(resp, first)
+    except BaseException as err:
+        if resp is not None:
+            resp.close()  # on cancellation (the client left) this is what aborts the gen request
+        if isinstance(err, TimeoutError):
+            raise AttemptFailed(f"no first byte within {timeout_s:g} s") from None
+        if isinstance(err, UpstreamError):
+            raise AttemptFailed(describe(err)) from None
         raise
-    except asyncio.CancelledError:  # the client left: closing the response aborts the gen request
-        with anyio.CancelScope(shield=True):
-            await _close_quietly(resp)
-        raise
-    except StopAsyncIteration:
-        await _close_quietly(resp)
-        raise AttemptFailed("stream ended before its first byte") from None
-    except TimeoutError:
-        await _close_quietly(resp)
-        raise AttemptFailed(f"no first byte within {timeout_s:g} s") from None
-    except httpx.HTTPError as err:
-        await _close_quietly(resp)
-        raise AttemptFailed(describe(err)) from None
 
 
-async def _close_quietly(resp: httpx.Response | None) -> None:
-    if resp is None:
-        return
-    try:
-        await resp.aclose()
-    except httpx.HTTPError as err:
-        log.debug("closing upstream response: %s", describe(err))
-
-
-async def release_lease(client: httpx.AsyncClient, ctx_url: str, ctx_request_id: str, timeout_s: float) -> bool:
+async def release_lease(client: H1Client, ctx_url: str, ctx_request_id: str, timeout_s: float,
+                        request_id: str | None = None) -> bool:
     """POST ``/disagg/release`` to the ctx server holding the lease. Best effort: never raises.
 
     Returns whether the server said it freed the lease (False on any failure; failures are logged).
     """
+    resp: Response | None = None
     try:
-        resp = await client.post(f"{ctx_url}/disagg/release", json={"ctx_request_id": ctx_request_id},
-                                 timeout=timeout_s)
-    except httpx.HTTPError as err:
+        async with asyncio.timeout(timeout_s):
+            resp = await client.post(ctx_url, "/disagg/release", jsonio.dumps({"ctx_request_id": ctx_request_id}),
+                                     request_headers(request_id))
+            raw = await resp.read()
+    except (TimeoutError, UpstreamError) as err:
         log.warning("release of lease %s on %s failed: %s", ctx_request_id, ctx_url, describe(err))
         return False
-    if resp.status_code != 200:
-        log.warning("release of lease %s on %s answered HTTP %d", ctx_request_id, ctx_url, resp.status_code)
+    finally:
+        if resp is not None:
+            resp.close()
+    if resp.status != 200:
+        log.warning("release of lease %s on %s answered HTTP %d", ctx_request_id, ctx_url, resp.status)
         return False
     try:
-        return bool(resp.json().get("released", False))
-    except (ValueError, AttributeError):
+        answer = jsonio.loads(raw)
+    except ValueError:
         return False
+    return isinstance(answer, dict) and bool(answer.get("released", False))

@@ -18,6 +18,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pdserve.dtypes import DtypeSetting, resolve_dtype
+
 Role = Literal["ctx", "gen"]
 
 
@@ -37,7 +39,10 @@ class ModelSettings(StrictModel):
 class EngineSettings(StrictModel):
     """Engine knobs of one server (see engine.config.EngineConfig for their meaning)."""
 
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: DtypeSetting = Field(
+        "auto", description="weights, activations and KV cache: 'auto' = bfloat16 where the CPU has native bf16 "
+        "(avx512_bf16 or amx_bf16), else float32; each server resolves it once at start and reports the "
+        "result in its KV layout. bfloat16 without native bf16 is emulated (5-20x slower prefill)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_kv_blocks: int = Field(1024, ge=2, description="blocks in the paged KV cache")
     max_batch_size: int = Field(16, ge=1, le=4096, description="running sequences per step")
@@ -61,7 +66,7 @@ class EngineSettings(StrictModel):
 class EngineOverrides(StrictModel):
     """A pool's overrides of :class:`EngineSettings`; ``None`` means inherit."""
 
-    dtype: Literal["float32", "bfloat16"] | None = None
+    dtype: DtypeSetting | None = None
     block_size: int | None = Field(None, ge=1, le=1024)
     num_kv_blocks: int | None = Field(None, ge=2)
     max_batch_size: int | None = Field(None, ge=1, le=4096)
@@ -99,7 +104,7 @@ class ServerSpec(StrictModel):
     kv_port: int = Field(0, ge=0, le=65535, description="KV transceiver TCP port; 0 = any free port")
 
 
-RouterName = Literal["round_robin", "least_loaded", "kv_cache_aware"]
+RouterName = Literal["round_robin", "least_loaded", "power_of_two", "kv_cache_aware"]
 
 
 class PoolSettings(StrictModel):
@@ -155,6 +160,11 @@ class OrchestratorSettings(StrictModel):
     kv_aware_balance_threshold: int = Field(4, ge=0, description="kv_cache_aware: ignore prefix affinity when the best match has this many more in-flight requests than the least loaded server")
     admin_token_env: str = Field("PDSERVE_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                  description="environment variable holding the admin token (the secret never goes in this file)")
+    max_inflight_requests: int = Field(1024, ge=0, description="client requests open at once; past it 429 + Retry-After (0 = no bound)")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (s) of a 429 answer")
+    session_affinity: Literal["none", "header", "user"] = Field(
+        "none", description="keep a session on one server per pool: key from the `session_header` header or the body's `user` field")
+    session_header: str = Field("X-Session-Id", pattern=r"^[A-Za-z0-9-]+$", description="header naming the session (session_affinity: header)")
 
 
 class SlurmSettings(StrictModel):
@@ -195,6 +205,12 @@ class ServerConfig(StrictModel):
     orchestrator_url: str = Field("", description="where the server registers ('' = do not register)")
     admin_token_env: str = "PDSERVE_ADMIN_TOKEN"
     heartbeat_ttl_s: float = 10.0
+
+    def with_resolved_dtype(self, cpu_flags: frozenset[str], device: str = "cpu") -> "ServerConfig":
+        """This config with ``engine.dtype`` concrete (``auto`` resolved for a CPU with
+        ``cpu_flags``: :func:`pdserve.dtypes.resolve_dtype`). A server calls it once, at start."""
+        dtype = resolve_dtype(self.engine.dtype, cpu_flags, device)
+        return self.model_copy(update={"engine": self.engine.model_copy(update={"dtype": dtype})})
 
 
 # Keys whose resolved value must be equal in both pools: they define the KV block layout that a

@@ -35,9 +35,15 @@ def join_layout(kv_layout: Mapping, kv_layouts: object = None) -> dict:
     return out
 
 
+def _plain(value: object) -> str:
+    """A value as the message shows it: strings bare (``dtype gen=float32``), others as repr."""
+    return value if isinstance(value, str) and value and not any(c.isspace() for c in value) else repr(value)
+
+
 def join_mismatch(a: Mapping, b: Mapping, a_name: str = "gen", b_name: str = "ctx") -> str | None:
     """``None`` when layouts ``a`` and ``b`` may pair, else a message naming both values of every
-    field that differs, e.g. ``KV layout mismatch: block_size gen=32 ctx=16``."""
+    field that differs, e.g. ``KV layout mismatch: block_size gen=32 ctx=16`` or
+    ``KV layout mismatch: dtype gen=float32 ctx=bfloat16`` (the dtype each server resolved)."""
     diffs = []
     for f in JOIN_FIELDS:
         if f not in a or f not in b:
@@ -46,5 +52,5 @@ def join_mismatch(a: Mapping, b: Mapping, a_name: str = "gen", b_name: str = "ct
                                     or a.get("tp_size", 1) != b.get("tp_size", 1)):
             continue
         if a[f] != b[f]:
-            diffs.append(f"{f} {a_name}={a[f]!r} {b_name}={b[f]!r}")
+            diffs.append(f"{f} {a_name}={_plain(a[f])} {b_name}={_plain(b[f])}")
     return "KV layout mismatch: " + "; ".join(diffs) if diffs else None

@@ -21,7 +21,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def smollm2_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=512))
+    return LLMEngine(EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=512))  # the HF reference's dtype
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,7 @@ def tiny_dir(tmp_path_factory, smollm2_engine) -> Path:
 @pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_dir):
     def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(tiny_dir), **kw))
+        return LLMEngine(EngineConfig(model=str(tiny_dir), **{"dtype": "float32", **kw}))  # HF compares in fp32
     return make
 
 

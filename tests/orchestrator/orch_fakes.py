@@ -52,6 +52,7 @@ class Behavior:
 @dataclass
 class Record:
     bodies: list[dict] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)  # X-Request-Id of each completion request
     releases: list[str] = field(default_factory=list)
     leases: set[str] = field(default_factory=set)
     aborted_streams: int = 0
@@ -141,6 +142,7 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
     async def complete(request: Request, chat: bool):
         body = await request.json()
         rec.bodies.append(body)
+        rec.request_ids.append(request.headers.get("x-request-id"))
         if beh.fail_status is not None and beh.fail_times > 0:
             beh.fail_times -= 1
             return JSONResponse(error_body("injected failure", "internal_server_error", beh.fail_status),

@@ -20,7 +20,7 @@ def test_join_mismatch_names_both_values_and_skips_heads_across_tp_sizes():
     assert join_mismatch(KV_LAYOUT, KV_LAYOUT) is None
     assert join_mismatch({**KV_LAYOUT, "block_size": 32}, KV_LAYOUT) == MISMATCH
     both = join_mismatch({**KV_LAYOUT, "dtype": "bfloat16", "head_dim": 16}, KV_LAYOUT, "ctx", "gen")
-    assert both == "KV layout mismatch: dtype ctx='bfloat16' gen='float32'; head_dim ctx=16 gen=8"
+    assert both == "KV layout mismatch: dtype ctx=bfloat16 gen=float32; head_dim ctx=16 gen=8"
     # per-rank heads differ legitimately when TP sizes differ (the formatter splits heads) ...
     assert join_mismatch({**KV_LAYOUT, "num_kv_heads": 2, "tp_size": 1}, {**KV_LAYOUT, "tp_size": 2}) is None
     # ... but not when they are equal

@@ -28,3 +28,18 @@ def test_reset_prefix_cache_names_a_failed_server(make_cluster, monkeypatch):
     servers = r.json()["servers"]
     assert servers[c.topology.server_url("ctx", 0)] == {"freed_blocks": 3}
     assert "503" in servers[c.topology.server_url("gen", 0)]["error"]
+
+
+def test_auto_dtype_hashes_with_the_dtype_the_servers_report():
+    """engine.dtype: auto resolves on each server's CPU: the router must name blocks with the
+    dtype the accepted servers report, or its hashes never equal the servers' block names."""
+    from orchestrator.pools import ClusterPools, Pool, Server
+    from pdserve.block_hash import BlockHasher
+
+    ctx, gen = Server("ctx", 0, "http://127.0.0.1:1"), Server("gen", 0, "http://127.0.0.1:2")
+    pools = ClusterPools(Pool("ctx", [ctx], 1), Pool("gen", [gen], 1))
+    assert pools.accepted_dtype() is None                       # nothing accepted yet
+    gen.kv_layout, gen.layout_ok = {"dtype": "bfloat16", "block_size": 4}, True
+    assert pools.accepted_dtype() == "bfloat16"
+    ids = list(range(12))
+    assert (BlockHasher("m", "bfloat16", 4).hashes(ids) != BlockHasher("m", "auto", 4).hashes(ids))

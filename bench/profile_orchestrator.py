@@ -1,0 +1,92 @@
+"""Where the orchestrator's CPU goes under load: py-spy samples it while wrk drives it.
+
+    .venv/bin/python bench/profile_orchestrator.py [--router round_robin] [--seconds 15]
+
+Same setup as ``bench/orchestrator_overhead.py`` (fake workers and wrk on core 0, the orchestrator
+on core 1, 32 keep-alive connections, streamed 16-token completions). py-spy (``pip install
+py-spy``) records the orchestrator process for ``--seconds`` at 200 Hz into
+``bench/results/overhead/profile-<router>.txt`` (collapsed stacks; feed them to a flame graph
+tool) and this prints the share of samples under each frame group: the breakdown in
+docs/benchmarks.md. Samples of uvloop's C code (socket I/O, epoll) show up as ``Runner.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import orchestrator_overhead as oo  # noqa: E402
+from _harness import RESULTS, Procs, loadavg, say  # noqa: E402
+
+GROUPS = {  # label -> substring of a frame; a sample counts once per group whose frame it holds
+    "upstream client (h1client + upstream.py)": ("orchestrator/h1client.py", "orchestrator/upstream.py"),
+    "httpx/httpcore (control plane, or the old hot path)": ("httpx/", "httpcore/"),
+    "SSE relay to the client": ("orchestrator/relay.py",),
+    "uvicorn protocol (parse, send)": ("uvicorn/protocols",),
+    "FastAPI/Starlette": ("fastapi/", "starlette/"),
+    "body parse + pydantic validation": ("parse_body", "parse_client_body", "request_body.py"),
+    "tokenize + block hashes (kv_cache_aware)": ("prompt_tokens.py", "block_hashes"),
+    "routing": ("orchestrator/router.py",),
+    "prometheus metrics": ("prometheus_client",),
+    "logging": ("logging/",),
+    "asyncio timeouts": ("asyncio/timeouts.py",),
+    "event loop itself (uvloop C: I/O, epoll)": ("Runner.run (asyncio/runners.py:118)",),
+}
+
+
+def breakdown(path: Path) -> list[tuple[str, float]]:
+    """Share of samples per group (%), each sample given to the group of its innermost matching
+    frame (so the shares add up to 100 with "other"), plus the sample count."""
+    total, hits = 0, collections.Counter()
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        stack, n = line.rsplit(" ", 1)
+        total += int(n)
+        hits[_group(stack.split(";"))] += int(n)
+    labels = [*GROUPS, "other"]
+    return [(label, 100.0 * hits[label] / max(total, 1)) for label in labels] + [("samples", float(total))]
+
+
+def _group(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for label, needles in GROUPS.items():
+            if any(x in frame for x in needles):
+                return label
+    return "other"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--router", default="round_robin")
+    p.add_argument("--seconds", type=int, default=15)
+    p.add_argument("--conc", type=int, default=32)
+    a = p.parse_args()
+    ns = argparse.Namespace(sglang_python=None, pdserve_routers=a.router, conc=a.conc, wrk_threads=1,
+                            wrk_seconds=a.seconds + 2)
+    out = RESULTS / "overhead" / f"profile-{a.router}.txt"
+    py_spy = str(Path(sys.executable).with_name("py-spy"))
+    with Procs(RESULTS / "overhead" / "logs") as procs:
+        urls = oo.start(procs, ns)
+        pid = procs.procs[f"pdserve {a.router}"].pid
+        load = loadavg()
+        result: dict = {}
+        driver = threading.Thread(target=lambda: result.update(oo.run_wrk(urls[f"pdserve {a.router}"], ns, 0)))
+        driver.start()
+        subprocess.run([py_spy, "record", "--pid", str(pid), "--duration", str(a.seconds), "--rate", "200",
+                        "--format", "raw", "-o", str(out), "--nonblocking"], check=True, timeout=a.seconds + 60)
+        driver.join(a.seconds + 90)
+    say(f"wrk: {result.get('request_throughput', float('nan')):.0f} req/s; 1-min load average {load:.1f} -> {loadavg():.1f}")
+    for label, share in breakdown(out):
+        print(f"{share:7.1f}{'' if label == 'samples' else ' %'}  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The hot path's upstream interface over an ``httpx`` transport, for apps built with
+``create_app(topology, transport=...)`` (tests that reach the servers in-process, without sockets).
+
+Same surface as :class:`~orchestrator.h1client.H1Client` (``post`` → a response with ``status``,
+``next_chunk``, ``read``, ``ended``, ``abort``, ``close``); failures become
+:class:`~orchestrator.h1client.UpstreamError`. ``close`` must not await (it runs in cancelled
+tasks), so the httpx response is closed in a task this client owns and awaits in :meth:`aclose`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from .h1client import ConnectError, UpstreamError
+
+
+class HttpxResponse:
+    """One streamed httpx response behind the :class:`~orchestrator.h1client.Response` surface."""
+
+    def __init__(self, resp: httpx.Response, owner: "HttpxUpstream") -> None:
+        self._resp = resp
+        self._owner = owner
+        self.status = resp.status_code
+        self.headers = dict(resp.headers)
+        self._chunks = resp.aiter_bytes()
+        self._error: UpstreamError | None = None
+        self._ended = False
+        self._closed = False
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    async def next_chunk(self) -> bytes | None:
+        """The next body piece, None at the end. Raises UpstreamError."""
+        if self._error is not None:
+            raise self._error
+        try:
+            return await anext(self._chunks)
+        except StopAsyncIteration:
+            self._ended = True
+            return None
+        except httpx.HTTPError as err:
+            raise self._error or UpstreamError(f"{type(err).__name__}: {err}") from None
+
+    async def read(self) -> bytes:
+        parts = []
+        while (chunk := await self.next_chunk()) is not None:
+            parts.append(chunk)
+        self.close()
+        return b"".join(parts)
+
+    def abort(self, err: UpstreamError) -> None:
+        self._error = err
+        self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner.close_later(self._resp)
+
+
+class HttpxUpstream:
+    """``post`` through an ``httpx.AsyncClient`` (its transport decides where requests go)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+        self._closing: set[asyncio.Task] = set()
+        self.reconnects = 0
+
+    async def post(self, base_url: str, path: str, body: bytes,
+                   headers: tuple[tuple[str, str], ...] = ()) -> HttpxResponse:
+        request = self._client.build_request("POST", f"{base_url}{path}", content=body,
+                                             headers={"content-type": "application/json", **dict(headers)})
+        try:
+            return HttpxResponse(await self._client.send(request, stream=True), self)
+        except httpx.ConnectError as err:
+            raise ConnectError(f"connect to {base_url} failed: {err}") from None
+        except httpx.HTTPError as err:
+            raise UpstreamError(f"{type(err).__name__}: {err}") from None
+
+    def close_later(self, resp: httpx.Response) -> None:
+        task = asyncio.get_running_loop().create_task(resp.aclose(), name="close-upstream")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def aclose(self) -> None:
+        """Wait (at most 5 s) for the responses still being closed."""
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=5.0)

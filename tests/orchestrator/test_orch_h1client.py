@@ -1,0 +1,161 @@
+"""The hot path's HTTP/1.1 client against scripted raw TCP servers: keep-alive reuse, chunked
+bodies, a pooled connection closed under a request (one resend), broken bodies, refused
+connects, and cancellation closing the connection (what aborts a request upstream)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.h1client import ConnectError, H1Client, UpstreamError
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"7\r\ndata: 1\r\n9\r\n\n\ndata: 2\r\n0\r\n\r\n")
+
+
+class Script:
+    """A TCP server on 127.0.0.1 whose n-th accepted connection runs ``handlers[n]``."""
+
+    def __init__(self, *handlers) -> None:
+        self.handlers = list(handlers)
+        self.connections = 0
+        self.closed_by_client = asyncio.Event()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handler = self.handlers[min(self.connections, len(self.handlers) - 1)]
+        self.connections += 1
+        try:
+            await handler(self, reader, writer)
+        finally:
+            writer.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    return head + await reader.readexactly(length)
+
+
+def answer_each(*answers: bytes):
+    async def handler(script: Script, reader, writer) -> None:
+        for answer in answers:
+            await read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+        await reader.read()  # hold the connection open until the client closes it
+    return handler
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_keep_alive_reuses_one_connection_and_sends_headers():
+    seen: list[bytes] = []
+
+    async def handler(script, reader, writer) -> None:
+        for _ in range(3):
+            seen.append(await read_request(reader))
+            writer.write(OK)
+        await reader.read()
+
+    async def main() -> int:
+        script = Script(handler)
+        async with script as url:
+            client = H1Client(1.0)
+            for _ in range(3):
+                resp = await client.post(url, "/v1/completions", b'{"a":1}', (("X-Request-Id", "rid-1"),))
+                assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+            await client.aclose()
+            return script.connections
+
+    assert run(main()) == 1
+    assert all(b"X-Request-Id: rid-1\r\n" in r and r.endswith(b'\r\n\r\n{"a":1}') for r in seen)
+
+
+def test_chunked_stream_arrives_in_pieces_and_ends():
+    async def main() -> list[bytes]:
+        async with Script(answer_each(CHUNKED)) as url:
+            client = H1Client(1.0)
+            resp = await client.post(url, "/v1/completions", b"{}")
+            chunks = [c async for c in resp.iter_chunks()]
+            assert resp.ended
+            resp.close()
+            await client.aclose()
+            return chunks
+
+    assert b"".join(run(main())) == b"data: 1\n\ndata: 2"
+
+
+def test_pooled_connection_closed_under_a_request_is_resent_once_on_a_new_one():
+    async def answer_once_then_drop(script, reader, writer) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)  # the second request arrives, then the server "times out" the connection
+
+    async def main() -> tuple[int, int]:
+        script = Script(answer_once_then_drop, answer_each(OK))
+        async with script as url:
+            client = H1Client(1.0)
+            assert await (await client.post(url, "/", b"{}")).read() == b'{"ok":true}'
+            assert await (await client.post(url, "/", b"{}")).read() == b'{"ok":true}'
+            await client.aclose()
+            return script.connections, client.reconnects
+
+    assert run(main()) == (2, 1)
+
+
+def test_body_cut_short_raises_upstream_error():
+    async def cut(script, reader, writer) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"partial\"")
+
+    async def main() -> None:
+        async with Script(cut) as url:
+            client = H1Client(1.0)
+            resp = await client.post(url, "/", b"{}")
+            with pytest.raises(UpstreamError, match="closed"):
+                await resp.read()
+            await client.aclose()
+
+    run(main())
+
+
+def test_refused_connect_is_a_connect_error():
+    async def main() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(ConnectError, match="Errno 111"):
+            await H1Client(1.0).post(f"http://127.0.0.1:{port}", "/", b"{}")
+
+    run(main())
+
+
+def test_cancelled_request_closes_its_connection():
+    async def never_answer(script, reader, writer) -> None:
+        await read_request(reader)
+        if await reader.read() == b"":  # EOF: the client closed the connection
+            script.closed_by_client.set()
+
+    async def main() -> None:
+        script = Script(never_answer)
+        async with script as url:
+            client = H1Client(1.0)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await client.post(url, "/", b"{}")
+            await asyncio.wait_for(script.closed_by_client.wait(), 2.0)
+            await client.aclose()
+
+    run(main())
