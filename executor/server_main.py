@@ -57,6 +57,8 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
 
     if cfg.engine.tp_size > 1:
         raise ValueError(f"engine.executor 'inproc' runs one rank; tp_size={cfg.engine.tp_size} needs executor 'mpi'")
+    if cfg.engine.dtype == "auto":  # built without main() (tests, embedding): resolve here, once
+        cfg = resolve_dtype_once(cfg, read_cpu_flags())
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config(cfg))
     log.info("%s[%d]: engine ready in %.1f s (context window %d tokens)", cfg.role, cfg.index,
@@ -72,6 +74,8 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
 
 def build_lattice_state(cfg: ServerConfig, log_dir: Path) -> ServerState:
     """Frontend 0: launch the ranks (proxy), attach a lattice client, start the attached frontends."""
+    if cfg.engine.dtype == "auto":  # built without main(): resolve before the ranks see it
+        cfg = resolve_dtype_once(cfg, read_cpu_flags())
     t0 = time.perf_counter()
     proxy = Proxy(cfg, cfg.engine.num_frontends, log_dir / f"{cfg.role}{cfg.index}.ranks.log")
     info = proxy.start(cfg.engine.worker_start_timeout_s)
