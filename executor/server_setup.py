@@ -76,5 +76,5 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
                         metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
                         kv_layouts=list(layouts or [layout]))
     load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
-    state.routers.append(admin_router(state))  # every frontend answers /tokenizer and /admin/drain
+    state.routers.append(admin_router(state))  # every frontend: /tokenizer, /admin/drain, /reset_prefix_cache
     return state
