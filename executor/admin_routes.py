@@ -8,7 +8,8 @@
   ``{"freed_blocks": N}``, the unreferenced cached blocks freed (blocks in use stay with their
   requests and are never a hit again).
 
-Installed by :func:`executor.registration.attach` (frontend 0).
+Installed on every frontend of a server (:func:`executor.server_setup.make_state`): a drain sent to
+any frontend reaches rank 0, whose state push turns every other frontend to draining too.
 """
 
 from __future__ import annotations

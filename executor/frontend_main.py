@@ -50,8 +50,7 @@ def main() -> int:
     sock = bind_socket(cfg.host, cfg.port)
     state, _ = lattice_state(cfg, info)
     state.on_startup.append(lambda: mark_ready(info))
-    serve(state, sock)
-    return 0
+    return serve(state, sock, exit_when_dead=False)  # frontend 0 exits for a dead engine; we stop with it
 
 
 if __name__ == "__main__":

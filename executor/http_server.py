@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import RequestValidationError
 from engine.request import RequestOutput
+from executor.disconnect import unless_client_leaves
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.metrics import ServerMetrics
 from executor.openai_adapter import (
@@ -55,8 +56,6 @@ from pdserve.protocol import (
 from pdserve.request_body import BodyError, decode_json, read_limited, validate_request, validation_message
 
 log = logging.getLogger(__name__)
-
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its client left
 
 
 class ApiError(Exception):
@@ -332,11 +331,9 @@ class _Run:
         server the first output is the whole prefill, on a gen server it waits for the KV pull."""
         task = asyncio.create_task(self.first())
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    log.info("client disconnected before the first output; aborted %s", self.id)
-                    return None
+            if await unless_client_leaves(task, request):
+                log.info("client disconnected before the first output; aborted %s", self.id)
+                return None
             return task.result()
         finally:
             if not task.done():
@@ -354,11 +351,9 @@ class _Run:
 
         task = asyncio.create_task(drain())
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    log.info("client disconnected; aborted %s", self.id)
-                    return Response(status_code=499)
+            if await unless_client_leaves(task, request):
+                log.info("client disconnected; aborted %s", self.id)
+                return Response(status_code=499)
             task.result()
         finally:
             if not task.done():

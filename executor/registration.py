@@ -127,11 +127,8 @@ def with_bound_port(cfg: ServerConfig, sock: socket.socket) -> ServerConfig:
 
 
 def attach(state: "ServerState") -> Registrar:
-    """The control-plane hook of ``server_main``: add ``/tokenizer`` and ``/admin/drain``, then
-    start registering (the thread waits until the port accepts) and stop at shutdown."""
-    from executor.admin_routes import admin_router
-
-    state.routers.append(admin_router(state))
+    """The control-plane hook of ``server_main`` (frontend 0: one registration per server): start
+    registering (the thread waits until the port accepts) and stop at shutdown."""
     registrar = Registrar(state.config, lambda: {"state": state.client.state.value,
                                                  "kv_layout": state.kv_layout.model_dump(),
                                                  "max_model_len": state.client.max_model_len})

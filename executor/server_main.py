@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 import threading
@@ -28,8 +29,12 @@ from executor.http_server import ServerState, create_server_app
 from executor.kv_role import RankShards
 from executor.proxy import Proxy, StartupError
 from executor.server_setup import engine_config, kv_layout, load_plugin, make_state, worker_plugin
+from executor.lifecycle import ExitPolicy, LifecycleServer, ServerLifecycle
+from executor.messages import EngineDead
+from executor.step_guard import guard_engine
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
 from pdserve.dtypes import emulation_warning, read_cpu_flags
+from pdserve.exit_codes import EXIT_CONFIG, EXIT_STARTUP
 
 log = logging.getLogger("pdserve.server")
 
@@ -66,8 +71,10 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
     layout = kv_layout(cfg, engine)
     executor = InProcessExecutor(engine, load_plugin(worker_plugin(cfg.role))(cfg, layout),
                                  RankShards([engine.kv_cache], [layout]))
+    watchdog = guard_engine(engine, cfg.engine.step_timeout_s, lambda why: executor.dispatch(EngineDead(why)))
     state = make_state(cfg, executor, layout, engine.model_config.vocab_size)
     state.on_shutdown.append(executor.shutdown)
+    state.on_shutdown.append(watchdog.stop)
     executor.start()
     return state
 
@@ -117,10 +124,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(state: ServerState, sock: socket.socket) -> None:
-    """Run uvicorn on an already bound socket until SIGINT/SIGTERM."""
+def serve(state: ServerState, sock: socket.socket, exit_when_dead: bool = True) -> int:
+    """Run uvicorn on an already bound socket until it stops; the exit status (see
+    :mod:`executor.lifecycle`: 0 stopped or drained after SIGTERM, 75 the engine died)."""
     config = uvicorn.Config(create_server_app(state), log_level="warning", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    lifecycle = ServerLifecycle(state.client, ExitPolicy.of(state.config.engine, exit_when_dead))
+    LifecycleServer(config, lifecycle).run(sockets=[sock])
+    return lifecycle.exit_code
 
 
 def parse_args(role: Role, argv: list[str] | None) -> argparse.Namespace:
@@ -143,7 +153,7 @@ def main(role: Role, argv: list[str] | None = None) -> int:
         cfg = load_topology(args.config).server_config(role, args.index, host=args.host, port=args.port)
     except (TopologyError, IndexError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     cfg = resolve_dtype_once(cfg, read_cpu_flags())
     sock = bind_socket(cfg.host, cfg.port)
     cfg = registration.with_bound_port(cfg, sock)  # control plane: --port 0
@@ -157,8 +167,24 @@ def main(role: Role, argv: list[str] | None = None) -> int:
         except StartupError as err:
             log.error("start-up failed: %s", err)
             print(f"error: {err}", file=sys.stderr)
-            return 3
-    registration.attach(state)  # control plane: /tokenizer, /admin/drain, register + heartbeat
+            return EXIT_STARTUP
+    registration.attach(state)  # control plane: register + heartbeat (frontend 0 only)
     log.info("%s[%d]: serving on http://%s:%d", role, cfg.index, cfg.host, cfg.port)
-    serve(state, sock)
-    return 0
+    code = serve(state, sock)
+    log.info("%s[%d]: exiting with status %d", role, cfg.index, code)
+    exit_now(code)
+    return code  # not reached
+
+
+def exit_now(code: int) -> None:
+    """Leave the process without the interpreter's final garbage collection.
+
+    Everything the server owns was stopped by the app's lifespan (ranks, IPC directory,
+    attached frontends, registration) before this runs; what is left is the final collection of
+    the torch/transformers heap, which took 4 s here (a faulthandler dump showed only
+    "Garbage-collecting"): 4 s between a dead engine and its launcher seeing the exit.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

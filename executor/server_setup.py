@@ -65,6 +65,7 @@ def kv_layout(cfg: ServerConfig, engine, tp_rank: int = 0, tp_size: int = 1) -> 
 def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int,
                layouts: list[KVLayoutModel] | None = None) -> ServerState:
     """The HTTP state of one frontend, with the role's handlers and routes added."""
+    from executor.admin_routes import admin_router
     from kv_transfer.factory import resolve_backend
 
     backend = resolve_backend(cfg.kv_transfer.backend)
@@ -75,4 +76,5 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
                         metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
                         kv_layouts=list(layouts or [layout]))
     load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
+    state.routers.append(admin_router(state))  # every frontend: /tokenizer, /admin/drain, /reset_prefix_cache
     return state

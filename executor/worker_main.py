@@ -144,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             from executor.engine_loop import EngineLoop
             from executor.lane_transport import LaneTransport
+            from executor.step_guard import exit_rank, guard_engine
 
             transport = LaneTransport(codec, spec["ingress_addr"], spec["lane_addrs"],
                                       frontend=(spec["frontend_pid"], spec.get("frontend_start_time")))
             loop = EngineLoop(engine, role, transport, rank_shards(engine, info, ipc, size))
+            # A hung step (e.g. a collective) is invisible to the pidfds: the watchdog ends this rank.
+            guard_engine(engine, float(spec["server"]["engine"]["step_timeout_s"]), exit_rank(spec["lane_addrs"], codec))
     except Exception as err:  # noqa: BLE001 - reported to the proxy, then the rank exits
         cause = f"{type(err).__name__}: {err}"
         log.error("start-up failed: %s\n%s", cause, traceback.format_exc())

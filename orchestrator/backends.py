@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from pdserve.config import Topology
+from pdserve.exit_codes import describe
 
 from .fleet import Instance
 from .launcher import signal_group
@@ -90,7 +91,7 @@ class LocalBackend:
     async def exited(self, inst: Instance) -> str | None:
         proc: subprocess.Popen = inst.handle
         code = proc.poll()
-        return None if code is None else f"exit code {code}"
+        return None if code is None else describe(code)
 
     async def stop(self, inst: Instance, grace_s: float) -> None:
         proc: subprocess.Popen | None = inst.handle

@@ -285,10 +285,24 @@ class Fleet:
         except (httpx.HTTPError, ValueError, AttributeError):
             return 0  # unreachable: nothing left to wait for
 
-    async def _post_drain(self, member: Server) -> None:
+    async def _post_drain(self, member: Server) -> bool:
+        """Ask ``member`` to drain (``POST /admin/drain``, whichever of its frontends answers). True
+        when it confirmed (200 with state ``draining`` or ``dead``); otherwise the answer is logged and
+        the server is stopped anyway (its stop is a SIGTERM, which drains it too)."""
         headers = auth_headers(self.topology.orchestrator.admin_token_env)
-        with contextlib.suppress(httpx.HTTPError):
-            await self._client.post(f"{member.url}/admin/drain", headers=headers, timeout=2.0)
+        try:
+            resp = await self._client.post(f"{member.url}/admin/drain", headers=headers, timeout=2.0)
+        except httpx.HTTPError as err:
+            log.warning("%s %s: POST /admin/drain failed: %s: %s", member.name, member.url, type(err).__name__, err)
+            return False
+        state = None
+        with contextlib.suppress(ValueError, AttributeError):
+            state = resp.json().get("state")
+        if resp.status_code != 200 or state not in ("draining", "dead"):
+            log.warning("%s %s did not confirm the drain: HTTP %d %s", member.name, member.url, resp.status_code,
+                        resp.text[:200])
+            return False
+        return True
 
     async def _stop_quietly(self, inst: Instance) -> None:
         try:

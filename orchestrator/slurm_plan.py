@@ -3,7 +3,8 @@
 Used by ``slurm/pdserve.sbatch`` inside its allocation. Prints shell assignments (``eval`` them):
 the orchestrator runs on the first node; ctx servers on the next ``launcher.slurm.ctx_nodes``
 nodes, gen servers on the next ``gen_nodes`` (0, or too few nodes: share every node), each pool's
-servers spread round robin over its nodes.
+servers spread round robin over its nodes, and how often each pool's servers may be restarted
+(``pools.<role>.max_restarts``, for ``slurm/restart_step.sh``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def plan(topology: Topology, nodes: list[str]) -> dict[str, object]:
         out[f"{role.upper()}_N"] = n
         out[f"{role.upper()}_NODES"] = [pool_nodes[i % len(pool_nodes)] for i in range(n)]
         out[f"{role.upper()}_TP"] = topology.pool_engine(role).tp_size
+        out[f"{role.upper()}_MAX_RESTARTS"] = topology.pool(role).max_restarts
     out["CPUS_PER_SERVER"] = s.cpus_per_server
     return out
 

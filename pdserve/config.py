@@ -55,6 +55,15 @@ class EngineSettings(StrictModel):
         "'inproc': engine loop in a thread of the HTTP process (tests, debugging)")
     num_frontends: int = Field(1, ge=1, le=64, description="HTTP frontend processes sharing the server's port (SO_REUSEPORT)")
     worker_start_timeout_s: float = Field(180.0, gt=0, description="how long a server waits for its worker ranks' READY")
+    step_timeout_s: float = Field(
+        120.0, gt=0, description="an engine step running longer than this makes the engine dead (a hung step or "
+        "collective); must exceed any real step (a full-budget CPU prefill takes seconds)")
+    dead_exit_grace_s: float = Field(
+        1.0, ge=0, description="a server whose engine is dead answers 503 this long, then exits with status 75 "
+        "so its launcher or supervisor restarts it")
+    drain_grace_s: float = Field(
+        25.0, ge=0, description="SIGTERM drains the server: no new requests; in-flight ones (and parked KV "
+        "leases) get this long to finish, then it exits 0")
     kv_cache_huge_pages: bool = Field(
         True, description="KV cache on transparent huge pages (madvise; a no-op where the kernel's THP mode is "
         "'never'): same-host KV pulls ~2x faster. TP > 1 caches live in shared files and are not advised")
@@ -77,6 +86,9 @@ class EngineOverrides(StrictModel):
     executor: Literal["mpi", "inproc"] | None = None
     num_frontends: int | None = Field(None, ge=1, le=64)
     worker_start_timeout_s: float | None = Field(None, gt=0)
+    step_timeout_s: float | None = Field(None, gt=0)
+    dead_exit_grace_s: float | None = Field(None, ge=0)
+    drain_grace_s: float | None = Field(None, ge=0)
     kv_cache_huge_pages: bool | None = None
     enable_prefix_caching: bool | None = None
 

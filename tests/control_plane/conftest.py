@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,22 +64,14 @@ class LaunchedCluster:
         return (self.log_dir / "orchestrator.log").read_text(errors="replace")[-4000:]
 
 
-@pytest.fixture(scope="module")
-def launched(tiny_model_dir, tmp_path_factory) -> LaunchedCluster:
-    tmp = tmp_path_factory.mktemp("control_plane")
-    port = free_port()
-    doc = {
-        "model": {"path": str(tiny_model_dir), "name": TINY},
-        "engine": {"num_threads": 1, "num_kv_blocks": 512, "block_size": 4, "executor": "inproc"},
-        "orchestrator": {"port": port, "health_interval_s": 0.2, "max_local_prefill_length": 12,
-                         "heartbeat_ttl_s": 5, "drain_timeout_s": 60},
-        "launcher": {"kind": "local", "log_dir": str(tmp / "logs"), "grace_s": 5, "monitor_interval_s": 0.2},
-        "pools": {"ctx": {"router": "kv_cache_aware", "servers": [{"port": 0}], "max_instances": 3},
-                  "gen": {"router": "least_loaded", "servers": [{"port": 0}], "max_instances": 3}},
-    }
+@contextlib.contextmanager
+def launch_cluster(tmp: Path, doc: dict) -> Iterator[LaunchedCluster]:
+    """Write ``doc`` as a topology, start its orchestrator (which launches the servers), wait for its
+    ``/health``; at exit SIGTERM it and check that no server it launched outlives it."""
+    port = doc["orchestrator"]["port"]
     topo = tmp / "cluster.yaml"
     topo.write_text(yaml.safe_dump(doc))
-    (tmp / "logs").mkdir()
+    (tmp / "logs").mkdir(exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PDSERVE_ADMIN_TOKEN": TOKEN}
     with open(tmp / "logs" / "orchestrator.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--config", str(topo)], cwd=ROOT, env=env,
@@ -91,7 +85,7 @@ def launched(tiny_model_dir, tmp_path_factory) -> LaunchedCluster:
             except httpx.HTTPError:
                 return False
 
-        wait_for(healthy, 120, "the orchestrator's /health")
+        wait_for(healthy, 180, "the orchestrator's /health")
         yield cluster
     finally:
         pids = [s["pid"] for p in ("ctx", "gen") for s in cluster.servers(p) if s.get("pid")] if proc.poll() is None else []
@@ -103,6 +97,22 @@ def launched(tiny_model_dir, tmp_path_factory) -> LaunchedCluster:
             proc.wait(5)
         for pid in pids:  # none may outlive the orchestrator
             wait_for(lambda: not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), 15, f"server {pid} to exit")
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_model_dir, tmp_path_factory) -> LaunchedCluster:
+    tmp = tmp_path_factory.mktemp("control_plane")
+    doc = {
+        "model": {"path": str(tiny_model_dir), "name": TINY},
+        "engine": {"num_threads": 1, "num_kv_blocks": 512, "block_size": 4, "executor": "inproc"},
+        "orchestrator": {"port": free_port(), "health_interval_s": 0.2, "max_local_prefill_length": 12,
+                         "heartbeat_ttl_s": 5, "drain_timeout_s": 60},
+        "launcher": {"kind": "local", "log_dir": str(tmp / "logs"), "grace_s": 5, "monitor_interval_s": 0.2},
+        "pools": {"ctx": {"router": "kv_cache_aware", "servers": [{"port": 0}], "max_instances": 3},
+                  "gen": {"router": "least_loaded", "servers": [{"port": 0}], "max_instances": 3}},
+    }
+    with launch_cluster(tmp, doc) as cluster:
+        yield cluster
 
 
 def _state(pid: int) -> str:
