@@ -28,7 +28,8 @@ def write_topology(path: Path, model_path: str, model_name: str, *, num_ctx: int
     """A topology YAML with free ports for every server."""
     doc = {
         "model": {"path": model_path, "name": model_name},
-        "engine": {"num_threads": 1, "num_kv_blocks": 256, "block_size": 4, **(engine or {})},
+        "engine": {"num_threads": 1, "num_kv_blocks": 256, "block_size": 4, "dtype": "float32",  # exact oracles: fp32
+                   **(engine or {})},
         "kv_transfer": {"lease_ms": 30000, "timeout_ms": 10000, **(kv_transfer or {})},
         "orchestrator": {"host": "127.0.0.1", "port": free_port(), "health_interval_s": 0.2,
                          "startup_timeout_s": 120, **(orchestrator or {})},

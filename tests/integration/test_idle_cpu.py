@@ -55,8 +55,10 @@ def test_a_server_waiting_for_blocks_stays_idle(executor, tiny_model_dir, procs,
         assert r.status_code == 200, r.text
         ctx_request_id = r.json()["choices"][0]["disaggregated_params"]["ctx_request_id"]  # 10 of 16 blocks parked
         waiting: dict = {}
-        body = {"model": TINY_NAME, "prompt": list(range(5, 37)), "max_tokens": 2, "temperature": 0,
-                "ignore_eos": True}  # needs 9 blocks: waits until the lease is released
+        # needs 9 blocks and shares no prefix with the parked prompt (a prefix-cache hit would let
+        # it run at once): waits until the lease is released
+        body = {"model": TINY_NAME, "prompt": list(range(100, 132)), "max_tokens": 2, "temperature": 0,
+                "ignore_eos": True}
         t = threading.Thread(target=lambda: waiting.update(
             r=httpx.post(url + "/v1/completions", json=body, timeout=60)), daemon=True)
         t.start()

@@ -51,6 +51,9 @@ def cluster(tmp_path_factory):
     for role in ("ctx", "gen"):
         doc["pools"][role]["servers"][0]["port"] = free_port()
     doc["engine"]["num_kv_blocks"] = 256
+    # local.yaml says dtype auto (bf16 on a CPU with avx512_bf16); the token-for-token oracles below
+    # hold in fp32, where a prefill chunked differently (prefix-cache hits) rounds the same way
+    doc["engine"]["dtype"] = "float32"
     topo = tmp / "local.yaml"
     topo.write_text(yaml.safe_dump(doc))
     proc = subprocess.Popen([PDSERVE, "up", str(topo), "--log-dir", str(tmp / "logs")], cwd=ROOT,
