@@ -59,10 +59,17 @@ def ensure_admin_token(topology: Topology, log_dir: str) -> str | None:
     return str(path)
 
 
-def cmd_up(config: str, log_dir: str) -> int:
+def up_log_dir(topology: Topology, flag: str | None) -> Path:
+    """Where ``pdserve up`` writes its logs and admin token: ``--log-dir`` when given, else the
+    file's ``launcher.log_dir`` (relative to the current directory; default ``logs``)."""
+    return Path(flag if flag is not None else topology.launcher.log_dir)
+
+
+def cmd_up(config: str, log_dir_flag: str | None) -> int:
     """Start the cluster and serve until Ctrl-C/SIGTERM (0) or a child's death (1)."""
     try:
         topology = load_topology(config)
+        log_dir = up_log_dir(topology, log_dir_flag)
         token_where = ensure_admin_token(topology, log_dir)
         os.environ["PDSERVE_LOG_DIR"] = str(Path(log_dir).resolve())  # where launched servers log
         launcher = LocalLauncher(config, topology=topology, log_dir=log_dir)
@@ -126,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start every server of a topology and the orchestrator")
     up.add_argument("config", help="topology YAML file")
-    up.add_argument("--log-dir", default=str(Path.cwd() / "logs"), help="one log file per server (default: ./logs)")
+    up.add_argument("--log-dir", default=None,
+                    help="one log file per server (default: the file's launcher.log_dir, ./logs)")
     config = sub.add_parser("config", help="topology file tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser("check", help="validate a topology file and print it resolved")

@@ -53,3 +53,32 @@ def test_curl_line_names_model_and_url():
     line = curl_line(load_topology(LOCAL), "http://127.0.0.1:8000")
     assert line.startswith("curl http://127.0.0.1:8000/v1/chat/completions")
     assert '"model": "SmolLM2-135M-Instruct"' in line
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_up_writes_logs_where_the_file_or_the_flag_says(tmp_path, monkeypatch, flag):
+    """``launcher.log_dir`` of the file is where ``pdserve up`` logs unless ``--log-dir`` is given."""
+    import orchestrator.cli as cli
+    from pdserve.config import TopologyError
+
+    file_dir, flag_dir = tmp_path / "from_file", tmp_path / "from_flag"
+    cfg = yaml.safe_load(LOCAL.read_text())
+    cfg["launcher"]["log_dir"] = str(file_dir)
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    seen = {}
+
+    class Refuse:  # records where the launcher would log, then stops cmd_up before any process
+        def __init__(self, config, *, topology, log_dir):
+            seen["log_dir"] = Path(log_dir)
+            raise TopologyError("stop here")
+
+    monkeypatch.setattr(cli, "LocalLauncher", Refuse)
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", "x")
+    monkeypatch.delenv("PDSERVE_ADMIN_TOKEN")
+    monkeypatch.setenv("PDSERVE_LOG_DIR", "unset")
+    argv = ["up", str(path)] + (["--log-dir", str(flag_dir)] if flag else [])
+    assert main(argv) == 1
+    want = flag_dir if flag else file_dir
+    assert seen["log_dir"] == want
+    assert (want / "admin_token").is_file()
