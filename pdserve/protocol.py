@@ -89,7 +89,8 @@ class DisaggregatedParams(BaseModel):
         return self
 
     def _check_kv_source(self) -> None:
-        """One endpoint per ctx rank, layouts in rank order, and no more blocks than the prompt fills."""
+        """One endpoint per ctx rank, layouts in rank order, no more blocks than the prompt fills and no
+        more cached tokens than the prompt has (the gen server reports them in ``usage``)."""
         layouts = self.kv_layouts if self.kv_layouts is not None else [self.kv_layout]
         endpoints = self.kv_endpoints if self.kv_endpoints is not None else [self.kv_endpoint]
         if not layouts or len(endpoints) != len(layouts):
@@ -101,6 +102,9 @@ class DisaggregatedParams(BaseModel):
         if self.kv_block_count is not None and self.kv_block_count > needed:
             raise ValueError(f"kv_block_count {self.kv_block_count} is more than the {needed} blocks "
                              f"{len(self.prompt_token_ids or [])} prompt tokens fill")
+        if self.cached_tokens is not None and self.cached_tokens > len(self.prompt_token_ids or []):
+            raise ValueError(f"cached_tokens {self.cached_tokens} is more than the "
+                             f"{len(self.prompt_token_ids or [])} prompt tokens")
 
 
 class StreamOptions(BaseModel):
