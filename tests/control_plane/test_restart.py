@@ -1,6 +1,7 @@
 """Dead means restarted (issue 14.1), on the default MPI lattice with the local launcher: a killed
 rank makes its server exit 75 after ``engine.dead_exit_grace_s``; the orchestrator's launcher
-restarts it on the same address, and the replacement is ready about one cold start later."""
+restarts it on the same address, and the replacement is ready about one cold start later. Run for
+rank 0 of a one-rank server and for rank 1 (a TP follower) of a ``tp_size: 2`` server."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from tests.integration.procs import free_port
 GRACE_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def mpi_cluster(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("restart")
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1-rank0", "tp2-rank1"])
+def mpi_cluster(request, tiny_model_dir, tmp_path_factory):
+    """A launched cluster whose gen pool runs ``tp_size`` = the param; yields (cluster, rank to kill)."""
+    tp = request.param
+    tmp = tmp_path_factory.mktemp(f"restart-tp{tp}")
     doc = {
         "model": {"path": str(tiny_model_dir), "name": TINY},
         "engine": {"num_threads": 1, "num_kv_blocks": 256, "block_size": 4, "executor": "mpi",
@@ -28,10 +31,11 @@ def mpi_cluster(tiny_model_dir, tmp_path_factory):
         "orchestrator": {"port": free_port(), "health_interval_s": 0.2, "heartbeat_ttl_s": 5},
         "launcher": {"kind": "local", "log_dir": str(tmp / "logs"), "grace_s": 5, "monitor_interval_s": 0.2},
         "pools": {"ctx": {"servers": [{"port": 0}]},
-                  "gen": {"servers": [{"port": 0}], "max_instances": 2, "max_restarts": 2}},
+                  "gen": {"servers": [{"port": 0}], "max_instances": 2, "max_restarts": 2,
+                          "engine": {"tp_size": tp}}},
     }
     with launch_cluster(tmp, doc) as cluster:
-        yield cluster
+        yield cluster, tp - 1
 
 
 def gone(pid: int) -> bool:
@@ -41,36 +45,52 @@ def gone(pid: int) -> bool:
         return True
 
 
+def health(url: str) -> int | None:
+    """``/health`` status of a server, None when it does not answer within 0.5 s."""
+    try:
+        return httpx.get(url + "/health", timeout=0.5).status_code
+    except httpx.HTTPError:
+        return None
+
+
 def test_killed_rank_is_replaced_within_a_cold_start(mpi_cluster):
-    c = mpi_cluster
+    c, kill_rank = mpi_cluster
     before = {s["url"] for s in c.servers("gen")}
     t0 = time.monotonic()
     c.scale("gen", 2)  # one server's cold start, measured in this run
     victim = next(s for s in c.settled("gen", 2, timeout_s=240) if s["url"] not in before)
     cold = time.monotonic() - t0
-    (rank,) = httpx.get(victim["url"] + "/server_info", timeout=10).json()["ranks"]
+    ranks = httpx.get(victim["url"] + "/server_info", timeout=10).json()["ranks"]
+    rank = next(r for r in ranks if r["rank"] == kill_rank)
 
     t_kill = time.monotonic()
     os.kill(rank["pid"], signal.SIGKILL)
     t_exit = t_ready = None
+    answers = []  # what the dead server said to /health until it exited, in order
     deadline = t_kill + 240
     while time.monotonic() < deadline and t_ready is None:
         if t_exit is None and gone(victim["pid"]):
             t_exit = time.monotonic() - t_kill
+        if t_exit is None:
+            answers.append(health(victim["url"]))
         now = next((s for s in c.servers("gen") if s["url"] == victim["url"]), None)
         if now and now["state"] == "ready" and now["pid"] not in (None, victim["pid"]):
             t_ready = time.monotonic() - t_kill
         time.sleep(0.05)
-    print(f"cold start {cold:.1f} s; rank killed -> server exited {t_exit} s -> replacement ready {t_ready} s "
-          f"(load {os.getloadavg()[0]:.1f})")
+    seen = sorted(set(answers), key=str)
+    print(f"cold start {cold:.1f} s; rank {kill_rank} of {len(ranks)} killed -> server exited {t_exit} s -> "
+          f"replacement ready {t_ready} s; /health answers meanwhile {seen} (load {os.getloadavg()[0]:.1f})")
     assert t_ready is not None, c.log()
     full_log = (c.log_dir / "orchestrator.log").read_text(errors="replace")
     assert "exit code 75 (engine dead)); restart 1 of 2" in full_log, c.log()
     assert t_exit is not None and t_exit < GRACE_S + 4.0, t_exit
+    # Dead: 503 until the exit, never 200 again (a probe may still beat the pidfd monitor's thread).
+    assert 503 in answers and 200 not in answers[answers.index(503):], answers
     # The goal: replacement ready within the run's cold start + 2 s. A cold start here varies by
     # seconds with the machine's load, so the bound carries half a cold start of slack for that.
     assert t_ready <= 1.5 * cold + 2.0, (cold, t_ready)
     assert c.status()["pools"]["gen"]["restarts"] == 1
+    assert all(gone(r["pid"]) for r in ranks), ranks  # no rank of the dead server lives on
     for _ in range(4):  # the cluster serves through both gen servers again
         r = httpx.post(c.url + "/v1/completions", json={"model": TINY, "prompt": "hello there", "max_tokens": 3},
                        timeout=60)
