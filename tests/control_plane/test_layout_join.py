@@ -42,7 +42,9 @@ def test_layout_mismatch_is_refused_at_join(tiny_model_dir, procs, tmp_path,  # 
             procs.wait_healthy(names[role], servers[role])
         reported = {role: httpx.get(servers[role] + "/server_info", timeout=5).json()["kv_layout"]["dtype"]
                     for role in ("ctx", "gen")}  # `auto` resolved by each server, never "auto" itself
-        assert reported == {"ctx": ctx_engine.get("dtype", HERE), "gen": HERE}, reported
+        want = {role: resolve_dtype({**doc["engine"], **engine}.get("dtype", "auto"), read_cpu_flags())
+                for role, engine in (("ctx", ctx_engine), ("gen", gen_engine))}
+        assert reported == want, reported
 
         def refused() -> dict | None:
             try:
