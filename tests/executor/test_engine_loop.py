@@ -84,6 +84,9 @@ def test_abort_unknown_is_a_noop_and_abort_ends_a_running_request(kind):
         first = await gen.__anext__()
         assert isinstance(first, RequestOutput) and not first.finished
         await gen.aclose()  # leaving early aborts it
+        # The pushed snapshot may still be the one from before "long" was added (it is pushed at most
+        # every 0.25 s), so wait for the engine to see the abort first, then for the loop to forget it.
+        await wait_stats(h, lambda s: "long" in h.engine.aborted)
         await wait_stats(h, lambda s: s.get("running_requests") == 0)
         assert h.engine.aborted == ["no-such-request", "long"] and h.client.state == EngineState.SERVING
 
