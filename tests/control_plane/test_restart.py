@@ -60,6 +60,13 @@ def test_killed_rank_is_replaced_within_a_cold_start(mpi_cluster):
     c.scale("gen", 2)  # one server's cold start, measured in this run
     victim = next(s for s in c.settled("gen", 2, timeout_s=240) if s["url"] not in before)
     cold = time.monotonic() - t0
+    # /cluster/status may list the new server ready before its pid is known: without the pid,
+    # "exited" and "replaced" below would both look true at once.
+    pid_deadline = time.monotonic() + 30
+    while victim.get("pid") is None:
+        assert time.monotonic() < pid_deadline, f"no pid for {victim}"
+        time.sleep(0.1)
+        victim = next(s for s in c.servers("gen") if s["url"] == victim["url"])
     ranks = httpx.get(victim["url"] + "/server_info", timeout=10).json()["ranks"]
     rank = next(r for r in ranks if r["rank"] == kill_rank)
 
