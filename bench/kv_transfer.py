@@ -2,11 +2,12 @@
 
 A ctx process serves a block-major cache (1 MiB blocks: 32 layers x K,V x 16 tokens x 8 heads x
 64 dims, fp16); this process pulls 1, 16 and 256 MiB per request into its own cache and times
-each pull end to end (request, answer, bytes; the ctx side releases the lease itself). Both caches
+each pull end to end (request, answer, bytes, confirmation; the ctx side releases the lease itself). Both caches
 are allocated like the engine's (``engine.kv_memory``: transparent huge pages unless
 ``--small-pages``) and every page is touched first. memcpy is a single-threaded ``torch`` ``copy_``
 of the same bytes between two touched tensors in this process, in the same run, on the same kind
-of pages (and, for reference, on 4 KiB pages). Prints a markdown table of medians.
+of pages (and, for reference, on 4 KiB pages). Prints a markdown table of medians: GB/s and the
+median (p50) time of one pull in microseconds.
 
     .venv/bin/python bench/kv_transfer.py [--repeats 7] [--sizes-mib 1 16 256]
                                           [--backends ucx ucx-messages tcp] [--scattered] [--small-pages]
@@ -84,7 +85,7 @@ def bench_memcpy(nbytes: int, repeats: int, huge_pages: bool) -> float:
 
 def bench_backend(backend: str, sizes_blocks: list[int], repeats: int, scattered: bool,
                   huge_pages: bool) -> dict[int, float]:
-    """Median GB/s of pulls of each size (in 1 MiB blocks) from a ctx process, end to end."""
+    """Median seconds of one pull of each size (in 1 MiB blocks) from a ctx process, end to end."""
     stride = 2 if scattered else 1
     num_blocks = max(sizes_blocks) * stride + 1
     spawn = mp.get_context("spawn")
@@ -106,7 +107,7 @@ def bench_backend(backend: str, sizes_blocks: list[int], repeats: int, scattered
                 t0 = time.perf_counter()
                 client.pull(endpoint, rid, LAYOUT, gen_cache, list(range(n)), timeout_s=60)
                 times.append(time.perf_counter() - t0)
-            results[n] = median_gbps(n * bytes_per_block(LAYOUT), times[1:])
+            results[n] = statistics.median(times[1:])
     finally:
         parent.send(("stop",))
         proc.join(30)
@@ -116,7 +117,7 @@ def bench_backend(backend: str, sizes_blocks: list[int], repeats: int, scattered
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=7, help="timed pulls per size (after one warm-up pull)")
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--backends", nargs="+", default=["ucx", "ucx-messages", "tcp"],
                     choices=["ucx", "ucx-messages", "tcp"])
@@ -135,10 +136,12 @@ def main() -> None:
           f"caches on {pages}, THP mode {transparent_huge_pages_mode()}; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})\n")
     print("| KV per request | memcpy GB/s | memcpy 4 KiB pages GB/s | "
-          + " | ".join(f"{b} GB/s (% of memcpy)" for b in args.backends) + " |")
+          + " | ".join(f"{b} GB/s (% of memcpy), p50 µs" for b in args.backends) + " |")
     print("|---|---|---|" + "---|" * len(args.backends))
     for n in sizes:
-        cells = [f"{by_backend[b][n]:.2f} ({100 * by_backend[b][n] / memcpy[n]:.0f}%)" for b in args.backends]
+        gbps = {b: n * MIB / by_backend[b][n] / 1e9 for b in args.backends}
+        cells = [f"{gbps[b]:.2f} ({100 * gbps[b] / memcpy[n]:.0f}%), {1e6 * by_backend[b][n]:.0f}"
+                 for b in args.backends]
         print(f"| {n} MiB | {memcpy[n]:.2f} | {memcpy_4k[n]:.2f} | " + " | ".join(cells) + " |")
 
 

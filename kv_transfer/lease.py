@@ -51,6 +51,11 @@ class LeaseTable:
         self.expired_total = 0
         self.released_total = 0
 
+    @property
+    def pull_delay_s(self) -> float:
+        """The fault-injection delay every :meth:`begin_pull` sleeps (0 outside tests)."""
+        return self._pull_delay_s
+
     def start(self) -> None:
         self._thread.start()
 

@@ -62,6 +62,7 @@ import torch
 from kv_transfer import cma
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, bytes_per_block, check_pairing
 from kv_transfer.lease import LeaseError, LeaseTable
+from kv_transfer.local_control import LocalControlServer
 from kv_transfer.pin_holds import PinHolds
 from kv_transfer.runs import Segment, from_runs, plan_segments, to_runs
 from kv_transfer.ucx_worker import (FRAME_BYTES, Array, Conn, EndpointCache, EndpointFailed, Worker, as_array,
@@ -79,6 +80,8 @@ GRACE_S = 2.0  # a pin outlives the gen side's deadline by this much (one chunk'
 
 
 _SEAL_BYTES = 8
+
+Reply = Callable[..., None]  # reply(answer: dict, fast: bool = False): answer one pull
 
 
 def seal_address(address: bytes) -> str:
@@ -144,6 +147,7 @@ class UcxKVServer:
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.on_sent = on_sent or (lambda nbytes, seconds: None)
         self._bytes_per_block = bytes_per_block(layout)
+        self._layout_dump = layout.model_dump()
         self._host_id = cma.host_identity() if same_host_reads else ""
         self._identity = (os.getpid(), proc_start_time(os.getpid()))  # a recycled pid cannot pass for us
         self._worker = Worker(progress_thread=False)  # progressed by the control loop
@@ -153,6 +157,7 @@ class UcxKVServer:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ucx-serve")
         self._control_buf = np.empty(FRAME_BYTES, dtype=np.uint8)
         self._thread = threading.Thread(target=self._control_loop, name="kv-ucx-server", daemon=True)
+        self._local = LocalControlServer(self._on_local) if self._host_id else None
 
     @property
     def endpoint(self) -> str:
@@ -162,6 +167,8 @@ class UcxKVServer:
         if self._host_id:
             cma.allow_readers()  # same-host gen servers read the cache with process_vm_readv
         self._thread.start()
+        if self._local is not None:
+            self._local.start()
         log.info("KV transfer backend: ucx, worker address of %d bytes, peer name %s:%d",
                  len(self._worker.address), self.host, self.port)
 
@@ -171,6 +178,8 @@ class UcxKVServer:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._local is not None:
+            self._local.stop(timeout_s)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._holds.clear()
         self._peers.close_all()
@@ -197,10 +206,20 @@ class UcxKVServer:
             try:
                 if msg.get("op") == "done":
                     self._on_done(msg)
+                elif self._serves_inline(msg):
+                    self._guarded_handle(msg, received)
                 else:
                     self._pool.submit(self._guarded_handle, msg, received)
             except Exception:  # noqa: BLE001 - one bad message must not end KV serving
                 log.exception("KV control message %r could not be handled", str(msg)[:200])
+
+    def _serves_inline(self, msg: dict) -> bool:
+        """A same-host pull is answered on the control loop itself: its work is a lease lookup and
+        one posted answer (no wait), and a hand-off to the pool cost more than that (~80 us of the
+        ~250 us budget of a 1 MiB pull). Cross-host pulls, releases and a fault-injection delay go
+        to the pool (they wait on sends)."""
+        return (bool(self._host_id) and msg.get("op") == "pull" and msg.get("host") == self._host_id
+                and not self.leases.pull_delay_s)
 
     def _guarded_handle(self, msg: dict, received: float) -> None:
         try:
@@ -247,7 +266,7 @@ class UcxKVServer:
             return
         try:
             if msg.get("op") == "pull":
-                self._serve_pull(conn, base, msg, deadline, hold_until)
+                self._serve_pull(self._ucx_reply(conn, base, deadline), base, msg, deadline, hold_until, conn)
             elif msg.get("op") == "release":
                 released = self.leases.release(str(msg.get("ctx_request_id")))
                 self._send_control(conn, base + ACK, {"ok": True, "released": released}, deadline)
@@ -264,21 +283,55 @@ class UcxKVServer:
         wait_all(self._worker, [self._worker.send(conn, frame(msg), tag)], deadline, "answering a KV request",
                  self._stopping)
 
-    def _serve_pull(self, conn: Conn, base: int, msg: dict, deadline: float, hold_until: float) -> None:
+    def _ucx_reply(self, conn: Conn, base: int, deadline: float) -> Reply:
+        """Answers on ``base`` over UCX: refusals are waited for; a same-host answer is posted and
+        left to the control loop's progress (``fast=True``): if it never arrives the gen side times
+        out and the hold unpins at its deadline, as for a lost ``done``."""
+        def reply(msg: dict, fast: bool = False) -> None:
+            if not fast:
+                self._send_control(conn, base, msg, deadline)
+                return
+            msg["tag"] = base
+            self._worker.adopt([self._worker.send(conn, frame(msg), base)])
+        return reply
+
+    def _on_local(self, msg: dict, reply: Callable[[dict], None]) -> None:
+        """A frame on the same-host control socket (:mod:`kv_transfer.local_control`): a same-host
+        pull, answered there, or its ``done``. The pins and deadlines are those of a UCX pull."""
+        received = time.monotonic()
+        if msg.get("op") == "done":
+            self._on_done(msg)
+            return
+        try:
+            base = int(msg["tag"])
+            if base & ACK or not 0 < base < 1 << 63:
+                raise ValueError(f"bad tag base {base:#x}")
+        except (KeyError, ValueError, TypeError) as err:
+            reply({"ok": False, "error": f"bad KV request: {err}"})
+            return
+        if msg.get("op") != "pull" or msg.get("host") != self._host_id:
+            reply({"ok": False, "error": "the same-host control socket serves same-host pulls only", "tag": base})
+            return
+        deadline, hold_until = self._deadlines(msg, received)
+        self._serve_pull(lambda answer, fast=False: reply({**answer, "tag": base}), base, msg, deadline, hold_until)
+
+    def _serve_pull(self, reply: Reply, base: int, msg: dict, deadline: float, hold_until: float,
+                    conn: Conn | None = None) -> None:
+        """Pin the lease and answer; ``conn`` (UCX only) carries the bytes of a cross-host pull."""
         rid = str(msg.get("ctx_request_id"))
         try:
-            remote = KVLayout.model_validate(msg.get("layout"))
-            check_pairing(remote, self.layout, "gen", "ctx")
+            if msg.get("layout") != self._layout_dump:  # the same layout as ours needs no parsing
+                check_pairing(KVLayout.model_validate(msg.get("layout")), self.layout, "gen", "ctx")
             dst_ids = from_runs(msg.get("dst_runs") or [])
             lease = self.leases.begin_pull(rid)
         except (LeaseError, KVLayoutMismatch, ValueError, TypeError) as err:
-            self._send_control(conn, base, {"ok": False, "error": str(err)}, deadline)
+            reply({"ok": False, "error": str(err)})
             return
         num_blocks = len(dst_ids)
         if not 0 < num_blocks <= len(lease.block_ids):
             self.leases.end_pull(rid)
             error = f"asked for {num_blocks} blocks; lease {rid} holds {len(lease.block_ids)}"
-            self._send_control(conn, base, {"ok": False, "error": error}, deadline)
+            reply({"ok": False, "error": error})
             return
         src_ids = lease.block_ids[:num_blocks]
         answer = {"ok": True, "bytes": num_blocks * self._bytes_per_block, "src_runs": to_runs(src_ids),
@@ -289,20 +342,23 @@ class UcxKVServer:
         if not self._holds.hold(key, hold_until, answer["bytes"]):
             self.leases.end_pull(rid)
             error = f"a pull of {rid} with tag base {base:#x} from this gen client is in progress already"
-            self._send_control(conn, base, {"ok": False, "error": error}, deadline)
+            reply({"ok": False, "error": error})
             return
         segments = plan_segments(src_ids, dst_ids)
         if self._host_id and msg.get("host") == self._host_id:
-            self._answer_direct(conn, base, answer, segments, deadline)
-        else:
+            self._answer_direct(reply, answer, segments)
+        elif conn is not None:
             self._send_blocks(conn, key, answer, segments, deadline, msg.get("release") is True)
 
-    def _answer_direct(self, conn: Conn, base: int, answer: dict, segments: list[Segment], deadline: float) -> None:
-        """Same host: tell the gen side where the blocks are; it reads them and confirms (``done``)."""
+    def _answer_direct(self, reply: Reply, answer: dict, segments: list[Segment]) -> None:
+        """Same host: tell the gen side where the blocks are (and where this server's same-host
+        control socket listens); it reads them and confirms (``done``)."""
         row = self._bytes_per_block
         answer["pid"], answer["pid_start"] = self._identity
         answer["src_addrs"] = [[self.kv_cache[s.src_start].data_ptr(), s.count * row] for s in segments]
-        self._send_control(conn, base, answer, deadline)
+        if self._local is not None:
+            answer["local_control"] = self._local.name
+        reply(answer, fast=True)
 
     def _send_blocks(self, conn: Conn, key: tuple[str, int, str], answer: dict, segments: list[Segment],
                      deadline: float, release: bool) -> None:

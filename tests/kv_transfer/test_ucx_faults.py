@@ -19,6 +19,9 @@ from .conftest import HAVE_UCXX, CtxSide, cache, layout
 pytestmark = pytest.mark.skipif(not HAVE_UCXX, reason="ucxx is not installed (pip install ucxx-cu12): UCX backend untested")
 
 PATHS = [pytest.param(True, id="same-host-read"), pytest.param(False, id="ucx-messages")]
+# The same-host read again, asked over the ctx server's same-host control socket (a second pull
+# to the same peer goes there: kv_transfer.local_control).
+KILL_PATHS = [*PATHS, pytest.param("control-socket", id="same-host-control-socket")]
 
 
 def big_layout():
@@ -35,13 +38,16 @@ def _serve(to_parent) -> None:
     """Child ctx process: one lease, endpoint and pid published, then serve until killed."""
     side = CtxSide("ucx", torch.randn_like(big_cache()), big_layout())
     side.leases.park("r", [1, 2, 3], 12, ttl_s=60)
+    side.leases.park("warm-up", [4], 4, ttl_s=60)
     to_parent.put((side.server.endpoint, os.getpid()))
     time.sleep(120)
 
 
-def _gen_pulls_while_ctx_dies(same_host_reads: bool, to_parent) -> None:
+def _gen_pulls_while_ctx_dies(path, to_parent) -> None:
     """Child gen process: kill the ctx after its answer arrived, right before the bytes move."""
     from kv_transfer import cma, ucx_client
+
+    same_host_reads = bool(path)
 
     spawn = mp.get_context("spawn")
     q = spawn.Queue()
@@ -53,13 +59,16 @@ def _gen_pulls_while_ctx_dies(same_host_reads: bool, to_parent) -> None:
         os.kill(pid, signal.SIGKILL)
         ctx.join(10)
 
+    client = make_kv_client("ucx", big_layout(), same_host_reads=same_host_reads)
+    if path == "control-socket":  # learn the peer's control socket (before the hook below kills it)
+        client.pull(endpoint, "warm-up", big_layout(), big_cache(), [0], timeout_s=3.0)
+        assert client.local_control_peers == 1, "the warm-up pull did not learn the control socket"
     if same_host_reads:
         real = cma.read_remote
         cma.read_remote = lambda *a, **kw: (kill_ctx(), real(*a, **kw))[1]
     else:
         real = ucx_client.UcxKVClient._receive
         ucx_client.UcxKVClient._receive = lambda self, *a, **kw: (kill_ctx(), real(self, *a, **kw))[1]
-    client = make_kv_client("ucx", big_layout(), same_host_reads=same_host_reads)
     t0 = time.monotonic()
     try:
         client.pull(endpoint, "r", big_layout(), big_cache(), [0, 1, 2], timeout_s=3.0)
@@ -70,7 +79,7 @@ def _gen_pulls_while_ctx_dies(same_host_reads: bool, to_parent) -> None:
         client.stop()
 
 
-@pytest.mark.parametrize("same_host_reads", PATHS)
+@pytest.mark.parametrize("same_host_reads", KILL_PATHS)
 def test_ctx_killed_mid_copy_fails_the_pull_not_the_gen_process(same_host_reads):
     """UCX's own cma would abort the reading process here (error handling off); ours must not."""
     spawn = mp.get_context("spawn")
@@ -97,7 +106,6 @@ def test_an_unconfirmed_pull_keeps_its_lease_pinned_past_the_gen_deadline(same_h
     big, shape = big_layout(), big_cache(4).shape
     side = CtxSide("ucx", torch.randn(shape), big, timeout_s=0.5)
     try:
-        side.leases.park("r", [1, 2, 3], 12, ttl_s=0.2)
         stage = "_read_direct" if same_host_reads else "_receive"
         real = getattr(ucx_client.UcxKVClient, stage)
 
@@ -108,6 +116,9 @@ def test_an_unconfirmed_pull_keeps_its_lease_pinned_past_the_gen_deadline(same_h
         monkeypatch.setattr(ucx_client.UcxKVClient, stage, stalled)
         monkeypatch.setattr(ucx_client.UcxKVClient, "_send_done", lambda self, *a, **kw: None)
         client = make_kv_client("ucx", big, same_host_reads=same_host_reads)
+        # Parked after the client exists: making a UCX worker can take longer than the 0.2 s lease
+        # on a loaded machine, and the pull must reach a live lease.
+        side.leases.park("r", [1, 2, 3], 12, ttl_s=0.2)
         t0 = time.monotonic()
         try:
             # The gen side asks for 30 s; the ctx side grants its own 0.5 s (echoed in the answer).
@@ -127,14 +138,16 @@ def test_an_unconfirmed_pull_keeps_its_lease_pinned_past_the_gen_deadline(same_h
 
 
 def test_stopping_a_client_under_running_pulls_fails_them_cleanly(ctx_side):
-    """stop() while threads pull: every pull ends with an error or its bytes; nothing crashes."""
-    for i in range(40):
+    """stop() while threads pull: every pull ends with an error or its bytes; nothing crashes.
+    Same-host pulls take ~0.2 ms, so there are many and stop() comes once some have finished."""
+    n = 400
+    for i in range(n):
         ctx_side.leases.park(f"r{i}", [i % 16], 4, ttl_s=30)
     client = make_kv_client("ucx", layout())
     results: list[str] = []
 
     def puller(k: int) -> None:
-        for i in range(k, 40, 4):
+        for i in range(k, n, 4):
             try:
                 client.pull(ctx_side.server.endpoint, f"r{i}", layout(), cache(), [0], timeout_s=2)
                 results.append("ok")
@@ -144,12 +157,14 @@ def test_stopping_a_client_under_running_pulls_fails_them_cleanly(ctx_side):
     threads = [threading.Thread(target=puller, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.05)
+    end = time.monotonic() + 10
+    while len(results) < 8 and time.monotonic() < end:
+        time.sleep(0.001)
     client.stop()
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads)
-    assert len(results) == 40 and "error" in results
+    assert len(results) == n and "error" in results
 
 
 def test_a_recycled_pid_is_never_read():

@@ -1,0 +1,96 @@
+"""Same-host control socket of the UCX backend (kv_transfer.local_control) and the pidfd check of
+the ctx process (kv_transfer.peer_procs)."""
+
+import os
+import socket
+import subprocess
+
+import pytest
+import torch
+
+from kv_transfer.factory import make_kv_client
+from kv_transfer.peer_procs import PeerProcesses
+from kv_transfer.wire import recv_msg, send_msg
+from pdserve.procfs import proc_start_time
+
+from .conftest import HAVE_UCXX, CtxSide, cache, layout
+
+needs_ucx = pytest.mark.skipif(not HAVE_UCXX, reason="ucxx is not installed: UCX backend untested")
+
+
+@pytest.fixture
+def ucx_side():
+    src = torch.randn_like(cache())
+    side = CtxSide("ucx", src, layout())
+    yield side
+    side.stop()
+
+
+@needs_ucx
+def test_later_same_host_pulls_are_asked_over_the_control_socket(ucx_side):
+    src = ucx_side.server.kv_cache
+    for i in range(4):
+        ucx_side.leases.park(f"r{i}", [2 * i, 2 * i + 1], 8, ttl_s=30)
+    client = make_kv_client("ucx", layout())
+    try:
+        for i in range(4):
+            dst = cache()
+            assert client.pull(ucx_side.server.endpoint, f"r{i}", layout(), dst, [5, 9], timeout_s=5) > 0
+            assert torch.equal(dst[5], src[2 * i]) and torch.equal(dst[9], src[2 * i + 1])
+        assert client.same_host_reads == 4
+        assert client.local_control_pulls == 3  # the first one learns the socket over UCX
+        assert len(ucx_side.freed) == 4 and all(reason == "released" for _, reason in ucx_side.freed)
+        assert len(ucx_side.leases) == 0
+    finally:
+        client.stop()
+
+
+@needs_ucx
+def test_a_gone_control_socket_falls_back_to_ucx(ucx_side):
+    for i in range(2):
+        ucx_side.leases.park(f"r{i}", [i], 4, ttl_s=30)
+    client = make_kv_client("ucx", layout())
+    try:
+        client.pull(ucx_side.server.endpoint, "r0", layout(), cache(), [0], timeout_s=5)
+        assert client.local_control_peers == 1
+        ucx_side.server._local.stop()  # as if the socket vanished (the ctx restarted under the same name)
+        dst = cache()
+        client.pull(ucx_side.server.endpoint, "r1", layout(), dst, [3], timeout_s=5)
+        assert torch.equal(dst[3], ucx_side.server.kv_cache[1])
+        assert client.local_control_pulls == 0 and client.same_host_reads == 2
+    finally:
+        client.stop()
+
+
+@needs_ucx
+def test_the_control_socket_serves_same_host_pulls_only(ucx_side):
+    ucx_side.leases.park("r", [1], 4, ttl_s=30)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect("\0" + ucx_side.server._local.name)
+        send_msg(sock, {"op": "release", "ctx_request_id": "r", "tag": 1 << 24})
+        assert recv_msg(sock)["ok"] is False
+        send_msg(sock, {"op": "pull", "ctx_request_id": "r", "tag": 1 << 24, "host": "another host",
+                        "layout": layout().model_dump(), "dst_runs": [[0, 1]], "reply_to": "x"})
+        answer = recv_msg(sock)
+        assert answer["ok"] is False and "same-host" in answer["error"]
+        send_msg(sock, {"op": "pull", "tag": 3})  # a tag base with low bits set
+        assert recv_msg(sock)["ok"] is False
+    assert len(ucx_side.leases) == 1  # nothing was released or pinned
+
+
+def test_peer_processes_see_a_process_exit_and_a_wrong_start_time():
+    procs = PeerProcesses()
+    me = os.getpid()
+    try:
+        assert procs.alive(me, proc_start_time(me))
+        assert procs.alive(me, proc_start_time(me))  # cached fd
+        assert not procs.alive(me, proc_start_time(me) + 1)  # a recycled pid names another process
+        child = subprocess.Popen(["sleep", "30"])
+        start = proc_start_time(child.pid)
+        assert procs.alive(child.pid, start)
+        child.kill()
+        child.wait(10)
+        assert not procs.alive(child.pid, start)
+    finally:
+        procs.close()
