@@ -26,6 +26,8 @@ class EngineConfig:
         its longest cached prefix (engine.block_manager); False = every prompt computed whole.
     served_model_name: the model id in block hashes (pdserve.block_hash; the servers use the
         topology's model.name, as the KV layout does); None = model.
+    kv_connector: "disagg" (default: context_only requests park their blocks, generation_only ones
+        load theirs, engine.kv_connector) or "none" (colocated requests only; the others are refused).
 
     Raises ValueError from __post_init__ when a value is out of range.
     """
@@ -42,6 +44,7 @@ class EngineConfig:
     kv_cache_huge_pages: bool = True
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
+    kv_connector: str = "disagg"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -57,5 +60,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_connector not in ("disagg", "none"):
+            raise ValueError(f"EngineConfig.kv_connector must be 'disagg' or 'none', got {self.kv_connector!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"EngineConfig.num_threads must be positive, got {self.num_threads}")

@@ -14,11 +14,12 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
+from engine.kv_connector import make_connector
 from engine.kv_memory import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.request import EngineRequest, KVPull, Phase, RequestOutput, StepResult
+from engine.request import EngineRequest, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -73,7 +74,8 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.hasher = BlockHasher(config.served_model_name or config.model, config.dtype,
                                   config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager,
+                                   make_connector(config.kv_connector, self.block_manager))
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self._to_emit: dict[str, Sequence] = {}
         if self.tp.enabled:
@@ -111,6 +113,9 @@ class LLMEngine:
         if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         validate_request(req, self.max_model_len, self.model_config.vocab_size)
+        if req.phase is not Phase.CONTEXT_AND_GENERATION and self.scheduler.connector is None:
+            raise RequestValidationError(f"this engine has no KV connector (kv_connector 'none'): "
+                                         f"{req.phase.value} requests are refused")
         if req.sampling.seed is None:  # one sampling path: an unseeded request gets a random seed
             req = dataclasses.replace(
                 req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
@@ -128,8 +133,10 @@ class LLMEngine:
         self._finish(seq, "abort")
 
     def kv_ready(self, request_id: str, ok: bool) -> None:
-        """GENERATION_ONLY: the KVPull blocks hold the prompt KV (ok) or the pull failed."""
-        seq = self.scheduler.pulling.get(request_id)
+        """GENERATION_ONLY: the KVPull blocks hold the prompt KV (ok) or the pull failed (the
+        connector's worker side reports it; see engine.kv_connector)."""
+        connector = self.scheduler.connector
+        seq = connector.loading.get(request_id) if connector is not None else None
         if seq is None:
             return
         if not ok:
@@ -161,8 +168,7 @@ class LLMEngine:
         self._require_driver()
         had_running = bool(self.scheduler.running)  # running sequences always run (or are preempted)
         batch = self.scheduler.schedule()
-        pulls = [KVPull(s.request_id, s.block_ids[:self.block_manager.blocks_needed(s.num_tokens)],
-                        s.num_tokens) for s in batch.pulls]
+        pulls = batch.pulls
         has_extra = extra is not None
         if batch.items:
             plan, seqs = self.runner.plan(batch.items)
@@ -241,11 +247,11 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason)
         elif seq.phase is Phase.CONTEXT_ONLY:
-            self._finish(seq, None, park=True)
+            self._finish(seq, None)  # the context phase ends here: the connector parks its blocks
 
-    def _finish(self, seq: Sequence, reason: str | None, park: bool = False) -> None:
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
         seq.finish_reason = reason
-        self.scheduler.finish(seq, park=park)
+        self.scheduler.finish(seq)
         self._to_emit[seq.request_id] = seq
 
     def _drain_outputs(self) -> list[RequestOutput]:

@@ -21,7 +21,10 @@ class EngineRequest:
 
     cache_salt: requests with different salts never share prefix-cache blocks (vLLM's field).
     num_cached_tokens: GENERATION_ONLY only: the prompt tokens the ctx server found in its prefix
-    cache, reported in this request's outputs (this engine pulls the whole prompt).
+    cache, reported in this request's outputs.
+    source_block_hashes: GENERATION_ONLY only: the ctx server's hashes (16 bytes each,
+    pdserve.block_hash) of the prompt's full blocks, in order; leading blocks this engine's prefix
+    cache holds under those hashes (token ids compared) are reused instead of pulled. None = pull all.
     """
 
     request_id: str
@@ -31,6 +34,7 @@ class EngineRequest:
     first_token_ids: list[int] | None = None
     cache_salt: str | None = None
     num_cached_tokens: int = 0
+    source_block_hashes: list[bytes] | None = None
 
 
 @dataclass
@@ -60,11 +64,16 @@ class RequestOutput:
 
 @dataclass
 class KVPull:
-    """A GENERATION_ONLY request was admitted: fill block_ids with KV of prompt tokens 0..num_tokens-1."""
+    """A GENERATION_ONLY request was admitted: fill ``block_ids`` with the KV of the prompt's blocks
+    ``first_block ..`` (the sender's lease blocks from that index on; tokens ``first_block *
+    block_size .. num_tokens - 1``). The blocks before ``first_block`` came from this engine's prefix
+    cache (a partial pull); ``block_ids`` is empty when every prompt block did (nothing to copy: the
+    worker side only releases the sender's lease)."""
 
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    first_block: int = 0
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Continuous-batching scheduler: FCFS, token budget, chunked prefill, preemption by recompute,
-prefix caching (a new or preempted request starts after its longest cached prefix)."""
+prefix caching (a new or preempted request starts after its longest cached prefix). KV that moves
+in or out of the engine (disaggregation) is the KV connector's business (engine.kv_connector)."""
 from __future__ import annotations
 
 from collections import deque
@@ -7,32 +8,34 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_connector import NO_CONNECTOR_COUNTS, KVConnector
+from engine.request import KVPull
 from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
 class ScheduledBatch:
-    """What one step runs: (sequence, number of new tokens) pairs, and admitted KV pulls."""
+    """What one step runs: (sequence, number of new tokens) pairs, and the KV loads the connector
+    admitted (blocks the worker side fills)."""
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
-    pulls: list[Sequence] = field(default_factory=list)
+    pulls: list[KVPull] = field(default_factory=list)
 
 
 class Scheduler:
     """Owns every sequence that holds or waits for KV blocks.
 
     waiting: FCFS queue (preempted sequences go back to its front). running: scheduled each step,
-    in admission order. pulling: GENERATION_ONLY with blocks, waiting for kv_ready. parked:
-    CONTEXT_ONLY hand-offs whose blocks stay allocated until released.
+    in admission order. The connector (None: colocated only) holds the sequences loading their KV
+    from elsewhere and the blocks parked for a hand-off (engine.kv_connector).
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, connector: KVConnector | None = None):
         self.config = config
         self.bm = block_manager
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.pulling: dict[str, Sequence] = {}
-        self.parked: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0   # tokens looked up in the prefix cache (vLLM's name)
         self.prefix_cache_hits = 0      # tokens found there
 
@@ -40,10 +43,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def counts(self) -> dict[str, int]:
-        """Sequences per state: ``waiting_requests`` (queued), ``scheduled_requests`` (running),
-        ``pulling_requests`` (GENERATION_ONLY waiting for KV), ``parked_requests`` (hand-offs)."""
-        return {"waiting_requests": len(self.waiting), "scheduled_requests": len(self.running),
-                "pulling_requests": len(self.pulling), "parked_requests": len(self.parked)}
+        """Sequences per state: ``waiting_requests`` (queued), ``scheduled_requests`` (running), and
+        the connector's :meth:`KVConnector.counts` (``pulling_requests``, ``parked_requests``, …)."""
+        extra = self.connector.counts() if self.connector is not None else NO_CONNECTOR_COUNTS
+        return {"waiting_requests": len(self.waiting), "scheduled_requests": len(self.running), **extra}
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.connector.loading) if self.connector is not None else 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,12 +88,14 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         max_seqs = self.config.max_batch_size
-        while self.waiting and len(self.running) + len(self.pulling) < max_seqs:
+        while self.waiting and len(self.running) + self.num_loading < max_seqs:
             seq = self.waiting[0]
-            if seq.needs_kv_pull:
-                if not self._admit_pull(seq):
+            if self.connector is not None and self.connector.needs_load(seq):
+                pull = self.connector.admit_load(seq)
+                if pull is None:
                     return
-                batch.pulls.append(seq)
+                self.waiting.popleft()
+                batch.pulls.append(pull)
                 continue
             if budget <= 0:
                 return
@@ -143,18 +152,6 @@ class Scheduler:
         return {"prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits, "cached_blocks": self.bm.num_cached_blocks}
 
-    def _admit_pull(self, seq: Sequence) -> bool:
-        # Room for the prompt and the first token(s), whose KV is computed here after the pull.
-        need = self.bm.blocks_needed(seq.num_tokens + len(seq.first_token_ids))
-        if not self.bm.can_allocate(need):
-            return False
-        seq.block_ids = self.bm.allocate(need)
-        self.waiting.popleft()
-        seq.mark_admitted()
-        seq.status = SeqStatus.PULLING
-        self.pulling[seq.request_id] = seq
-        return True
-
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and requeue it first; its tokens so far become the new prompt."""
         self.running.remove(seq)
@@ -166,9 +163,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def kv_arrived(self, request_id: str) -> Sequence | None:
-        """Move a pulling sequence to running; its prompt KV is now in its blocks, whose full ones
+        """Move a loading sequence to running; its prompt KV is now in its blocks, whose full ones
         join the prefix cache (only now: a failed pull never caches anything)."""
-        seq = self.pulling.pop(request_id, None)
+        seq = self.connector.finish_load(request_id) if self.connector is not None else None
         if seq is not None:
             seq.num_computed = seq.num_tokens
             seq.status = SeqStatus.RUNNING
@@ -176,33 +173,26 @@ class Scheduler:
             self.cache_computed(seq)
         return seq
 
-    def finish(self, seq: Sequence, park: bool = False) -> None:
-        """Take seq out of scheduling; free its blocks, or park them for a hand-off."""
+    def finish(self, seq: Sequence) -> None:
+        """Take seq out of scheduling; free its blocks unless the connector keeps them (a hand-off)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pulling.pop(seq.request_id, None)
         seq.status = SeqStatus.FINISHED
-        if park:
-            seq.parked = True
-            self.parked[seq.request_id] = seq.block_ids
-        else:
+        if self.connector is None or not self.connector.request_finished(seq):
             self.bm.deallocate(seq.block_ids)
             seq.block_ids = []
 
     def find(self, request_id: str) -> Sequence | None:
         """A live (not finished) sequence by id."""
-        if request_id in self.pulling:
-            return self.pulling[request_id]
+        if self.connector is not None and request_id in self.connector.loading:
+            return self.connector.loading[request_id]
         for seq in (*self.running, *self.waiting):
             if seq.request_id == request_id:
                 return seq
         return None
 
     def release_parked(self, request_id: str) -> bool:
-        blocks = self.parked.pop(request_id, None)
-        if blocks is None:
-            return False
-        self.bm.deallocate(blocks)
-        return True
+        """Free a hand-off's parked blocks (connector). False if it holds none."""
+        return self.connector is not None and self.connector.release(request_id)

@@ -26,6 +26,8 @@ class Sequence:
     Prefix cache: hash_chain names the full blocks of token_ids (pdserve.block_hash);
     num_offered_blocks leading blocks of block_ids are cached or were offered to the cache (hit
     blocks count); num_cached_tokens is the hit of the first admission (None before it).
+    source_block_hashes (GENERATION_ONLY): the ctx server's names of the prompt's full blocks, which
+    the KV connector matches against this engine's cache so that only missing blocks are pulled.
     """
 
     def __init__(self, req: EngineRequest, detokenizer: IncrementalDetokenizer,
@@ -52,6 +54,7 @@ class Sequence:
         self.num_offered_blocks = 0
         self.num_cached_tokens: int | None = (req.num_cached_tokens
                                               if req.phase is Phase.GENERATION_ONLY else None)
+        self.source_block_hashes = req.source_block_hashes  # GENERATION_ONLY: the sender's block names
 
     def mark_admitted(self) -> None:
         """Record the queue time at the first admission (a preempted sequence keeps its first one)."""
@@ -73,11 +76,6 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
-
-    @property
-    def needs_kv_pull(self) -> bool:
-        """GENERATION_ONLY that has not received its prompt KV yet."""
-        return self.phase is Phase.GENERATION_ONLY and self.num_output_tokens == 0
 
     def block_hashes(self) -> list[bytes]:
         """Hashes of the full blocks of token_ids ([] without a hash chain)."""

@@ -80,9 +80,9 @@ def test_queue_time_reported_once_and_grows_with_the_queue(tiny_engine_factory, 
     first_done = {}
     orig = eng.scheduler.finish
 
-    def finish(seq, park=False):
+    def finish(seq):
         first_done[seq.request_id] = time.monotonic() - seq.arrival_s  # its time in the engine
-        return orig(seq, park)
+        return orig(seq)
 
     eng.scheduler.finish = finish
     res = run_all(eng, [EngineRequest(f"q{i}", p, greedy(12)) for i, p in enumerate(prompts)])
