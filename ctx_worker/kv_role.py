@@ -40,13 +40,14 @@ class CtxKVRole(WorkerRole):
                  pull_delay_s: float = 0.0) -> None:
         self.settings, self.layout, self.host, self.port = settings, layout, host, port
         self.pull_delay_s = pull_delay_s
-        self._pending: dict[str, tuple[str | None, list[int]]] = {}  # request id -> (disagg id, prompt)
+        self._pending: dict[str, tuple[str | None, list[int], str | None]] = {}  # id -> (disagg id, prompt, salt)
         self._sent = TransferStats()
         self.leases: LeaseTable | None = None
         self.servers: list[KVServer] = []  # one per TP rank's shard, all on one lease table
 
     def start(self, engine: LLMEngine, ops: WorkerOps, shards: RankShards) -> None:
         self.ops = ops
+        self.hasher = engine.hasher  # names the parked blocks in the answer (partial pulls)
         self.shard_layouts = list(shards.layouts)
         self.leases = LeaseTable(self._on_free, self.pull_delay_s)
         for r, (cache, layout) in enumerate(zip(shards.caches, shards.layouts)):
@@ -71,12 +72,13 @@ class CtxKVRole(WorkerRole):
 
     def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
         if disagg is not None and disagg.request_type == "context_only":
-            self._pending[request.request_id] = (disagg.disagg_request_id, list(request.prompt_token_ids))
+            self._pending[request.request_id] = (disagg.disagg_request_id, list(request.prompt_token_ids),
+                                                 request.cache_salt)
 
     def on_output(self, out: RequestOutput) -> None:
         if not out.finished:
             return
-        disagg_id, prompt = self._pending.pop(out.request_id, (None, []))
+        disagg_id, prompt, salt = self._pending.pop(out.request_id, (None, [], None))
         if out.finish_reason is not None or out.parked_block_ids is None:
             return
         if not out.parked_block_ids:
@@ -90,7 +92,8 @@ class CtxKVRole(WorkerRole):
             first_gen_tokens=list(out.new_token_ids), prompt_token_ids=prompt, kv_endpoint=self.endpoint, kv_layout=self.layout,
             kv_endpoints=[s.endpoint for s in self.servers], kv_layouts=self.shard_layouts,
             kv_block_count=blocks_for_tokens(num_tokens, self.layout.block_size),
-            lease_deadline=time.time() + lease_s, cached_tokens=out.num_cached_tokens)
+            lease_deadline=time.time() + lease_s, cached_tokens=out.num_cached_tokens,
+            kv_block_hashes=[h.hex() for h in self.hasher.hashes(prompt, salt)])
         self.ops.deliver(out.request_id, KVHandoff(out.request_id, params))
 
     def intercept_abort(self, request_id: str) -> bool:

@@ -102,13 +102,16 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
                    disagg: DisaggregatedParams | None, cache_salt: str | None = None) -> EngineRequest:
     """Build the engine request for a body's phase (colocated when ``disagg`` is None).
 
-    ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``)."""
+    ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``) and
+    names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector)."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
     gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
     first = list(disagg.first_gen_tokens) if gen_only else None
     cached = (disagg.cached_tokens or 0) if gen_only else 0
+    hashes = [bytes.fromhex(h) for h in disagg.kv_block_hashes] if gen_only and disagg.kv_block_hashes else None
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                         phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached)
+                         phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached,
+                         source_block_hashes=hashes)
 
 
 @dataclass

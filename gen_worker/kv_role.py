@@ -1,8 +1,10 @@
 """Worker side of the generation role: pull a request's KV from the ctx server into its blocks.
 
 When the engine admits a ``generation_only`` request it allocates blocks and asks for a
-:class:`engine.request.KVPull`; this role copies ``kv_block_count`` blocks from the ctx transceiver
-into them on a small thread pool (each pull bounded by ``kv_transfer.timeout_ms``) and then tells
+:class:`engine.request.KVPull` (the KV connector's scheduler side, engine.kv_connector; this role is
+its worker side); this role copies the ctx lease's blocks ``first_block .. kv_block_count - 1`` into
+them (a partial pull: the blocks before ``first_block`` were in this engine's prefix cache; none
+left to copy = only the lease is released) on a small thread pool (each pull bounded by ``kv_transfer.timeout_ms``) and then tells
 the engine (``kv_ready``) on the loop thread. A request aborted mid-pull keeps its blocks until the
 copy has stopped writing into them.
 """
@@ -47,6 +49,8 @@ class GenKVRole(WorkerRole):
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
         self._received = TransferStats()
         self._failures = 0
+        self._blocks_pulled = 0   # blocks copied from ctx servers
+        self._blocks_skipped = 0  # prompt blocks a partial pull did not copy (prefix cache hits)
 
     def start(self, engine: LLMEngine, ops: WorkerOps, shards: RankShards) -> None:
         self.engine, self.ops, self.shards = engine, ops, shards
@@ -60,12 +64,14 @@ class GenKVRole(WorkerRole):
         if src is None:
             self._fail(pull.request_id, "no KV source for this request (not a generation_only request)", 500)
             return
-        num_blocks = src.kv_block_count or blocks_for_tokens(pull.num_tokens, self.layout.block_size)
-        if num_blocks > len(pull.block_ids):
-            self._fail(pull.request_id, f"ctx holds {num_blocks} KV blocks; the engine allocated {len(pull.block_ids)}", 500)
+        num_blocks = (src.kv_block_count or blocks_for_tokens(pull.num_tokens, self.layout.block_size)) - pull.first_block
+        if not 0 <= num_blocks <= len(pull.block_ids):
+            self._fail(pull.request_id, f"ctx holds {num_blocks} KV blocks past block {pull.first_block}; "
+                                        f"the engine allocated {len(pull.block_ids)}", 500)
             return
         with self._lock:
             self._in_flight[pull.request_id] = False
+            self._blocks_skipped += pull.first_block
         self._pool.submit(self._pull, pull, src, pull.block_ids[:num_blocks])
 
     def _pull(self, pull: KVPull, src: DisaggregatedParams, dst: list[int]) -> None:
@@ -73,7 +79,7 @@ class GenKVRole(WorkerRole):
         error: str | None = None
         nbytes = 0
         try:
-            nbytes = self._pull_shards(src, dst)
+            nbytes = self._pull_shards(src, dst, pull.first_block)
         except (KVTransferError, KVLayoutMismatch) as err:
             error = f"KV transfer failed: {err}"
         except Exception as err:  # noqa: BLE001 - a pull thread must always report back
@@ -83,6 +89,7 @@ class GenKVRole(WorkerRole):
         with self._lock:
             aborted = self._in_flight.pop(rid, False)
             self._failures += bool(error)
+            self._blocks_pulled += 0 if error else len(dst)
         if not error:
             self._received.observe(nbytes, seconds)
         if error:
@@ -92,8 +99,9 @@ class GenKVRole(WorkerRole):
         ok = error is None and not aborted
         self.ops.post(lambda engine: engine.kv_ready(rid, ok))
 
-    def _pull_shards(self, src: DisaggregatedParams, dst: list[int]) -> int:
-        """Pull every gen rank's heads from the ctx ranks that hold them, then release the lease once.
+    def _pull_shards(self, src: DisaggregatedParams, dst: list[int], first: int) -> int:
+        """Pull every gen rank's heads of the ctx lease blocks ``first ..`` into ``dst`` from the ctx
+        ranks that hold them, then release the lease once (with no block to copy: only release).
 
         Equal TP sizes: ctx rank r → gen rank r straight into its cache. Different TP sizes: each
         contributing ctx rank's blocks land in a staging tensor and the formatter's head slice is
@@ -104,13 +112,15 @@ class GenKVRole(WorkerRole):
         gen_layouts, caches = self.shards.layouts, self.shards.caches
         check_tp_pairing(gen_layouts, ctx_layouts)
         timeout_s = self.settings.timeout_ms / 1000.0
-        single = len(ctx_layouts) == len(gen_layouts) == 1
+        single = len(ctx_layouts) == len(gen_layouts) == 1 and bool(dst)
         nbytes = 0
-        if len(ctx_layouts) == len(gen_layouts):
+        if not dst:
+            pass  # every prompt block was in this engine's prefix cache: nothing to copy
+        elif len(ctx_layouts) == len(gen_layouts):
             for r, cache in enumerate(caches):
                 client = self._client_for(ctx_eps[r], ctx_layouts[r])
                 nbytes += client.pull(ctx_eps[r], src.ctx_request_id, ctx_layouts[r], cache, dst, timeout_s,
-                                      release=single)
+                                      release=single, src_first=first)
         else:
             heads = sum(l.num_kv_heads for l in ctx_layouts)
             index = torch.tensor(dst)
@@ -121,7 +131,7 @@ class GenKVRole(WorkerRole):
                                           dtype=cache.dtype)
                     client = self._client_for(ctx_eps[k], ctx_layouts[k])
                     nbytes += client.pull(ctx_eps[k], src.ctx_request_id, ctx_layouts[k], staging,
-                                          list(range(len(dst))), timeout_s, release=False)
+                                          list(range(len(dst))), timeout_s, release=False, src_first=first)
                     cache[index, :, :, :, piece.dst_start:piece.dst_stop] = staging[..., piece.src_start:piece.src_stop, :]
         if not single:
             self._client_for(ctx_eps[0], ctx_layouts[0]).release(ctx_eps[0], src.ctx_request_id, timeout_s)
@@ -159,7 +169,8 @@ class GenKVRole(WorkerRole):
     def stats(self) -> dict:
         same_host = sum(getattr(c, "same_host_reads", 0) for c in list(self._clients.values()))
         return {"kv_transfer": {"received": self._received.snapshot()}, "kv_pull_failures": self._failures,
-                "kv_same_host_reads": same_host}
+                "kv_same_host_reads": same_host, "kv_blocks_pulled": self._blocks_pulled,
+                "kv_blocks_skipped": self._blocks_skipped}
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

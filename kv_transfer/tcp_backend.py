@@ -119,14 +119,16 @@ class TcpKVServer:
             send_msg(sock, {"ok": False, "error": str(err)})
             return
         try:
-            num_blocks = msg.get("num_blocks", 0)
-            if not isinstance(num_blocks, int) or not 0 < num_blocks <= len(lease.block_ids):
-                send_msg(sock, {"ok": False, "error": f"asked for {num_blocks} blocks; lease {rid} holds {len(lease.block_ids)}"})
+            num_blocks, first = msg.get("num_blocks", 0), msg.get("first_block", 0)
+            if (not isinstance(num_blocks, int) or not isinstance(first, int) or first < 0
+                    or not 0 < num_blocks <= len(lease.block_ids) - first):
+                send_msg(sock, {"ok": False, "error": f"asked for {num_blocks} blocks from block {first}; "
+                                                      f"lease {rid} holds {len(lease.block_ids)}"})
                 return
             bpb = bytes_per_block(self.layout)
             send_msg(sock, {"ok": True, "bytes": num_blocks * bpb})
             t0 = time.perf_counter()
-            for start, count in to_runs(lease.block_ids[:num_blocks]):  # pinned: the blocks stay ours
+            for start, count in to_runs(lease.block_ids[first:first + num_blocks]):  # pinned: the blocks stay ours
                 sock.sendall(_byte_view(self.kv_cache[start:start + count].contiguous()))
             if msg.get("release") is True:
                 self.leases.release(rid)  # still pinned: applied by end_pull below
@@ -148,8 +150,10 @@ class TcpKVClient:
         """Nothing to stop."""
 
     def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
-             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True) -> int:
-        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``.
+             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True,
+             src_first: int = 0) -> int:
+        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id``, from its block ``src_first``
+        on (a partial pull), into ``kv_cache[dst_block_ids]``.
 
         With ``release`` the ctx side releases the lease once it sent the bytes; without, call
         :meth:`release` after the last piece (it fails if the lease vanished between pieces: the
@@ -169,7 +173,7 @@ class TcpKVClient:
             with socket.create_connection((host, port), timeout=timeout_s) as sock:
                 sock.settimeout(timeout_s)
                 send_msg(sock, {"op": "pull", "ctx_request_id": ctx_request_id, "layout": self.layout.model_dump(),
-                                "num_blocks": len(dst_block_ids), "release": release})
+                                "num_blocks": len(dst_block_ids), "first_block": src_first, "release": release})
                 answer = recv_msg(sock)
                 if not answer.get("ok"):
                     raise KVTransferError(f"ctx KV server {endpoint} refused the pull: {answer.get('error')}")

@@ -19,8 +19,10 @@ tagged messages. Either way they land straight in the gen side's allocated block
 tag base ``B`` per pull (its low 24 bits are zero):
 
 1. gen → ctx on ``CTRL_TAG``: ``{"op": "pull", "ctx_request_id", "layout", "dst_runs",
-   "reply_to", "tag": B, "release": bool, "budget_ms": int, "host": str | null}`` — ``budget_ms``
-   is what is left of the gen side's timeout; ``host`` asks for a same-host read.
+   "reply_to", "tag": B, "release": bool, "budget_ms": int, "host": str | null, "src_first": int}``
+   — ``budget_ms`` is what is left of the gen side's timeout; ``host`` asks for a same-host read;
+   ``src_first`` (default 0) is the index of the first lease block wanted (a partial pull skips
+   the blocks the gen side's prefix cache holds).
 2. ctx checks the layout pairing and pins the lease; answers on ``B``: ``{"ok": true, "bytes": N,
    "src_runs", "tag": B}`` plus, for a same-host read, ``"pid"`` and ``"src_addrs"`` (one
    ``[address, bytes]`` per segment); or ``{"ok": false, "error", "tag": B}``. Every reply echoes
@@ -323,17 +325,20 @@ class UcxKVServer:
             if msg.get("layout") != self._layout_dump:  # the same layout as ours needs no parsing
                 check_pairing(KVLayout.model_validate(msg.get("layout")), self.layout, "gen", "ctx")
             dst_ids = from_runs(msg.get("dst_runs") or [])
+            first = msg.get("src_first", 0)
+            if not isinstance(first, int) or first < 0:
+                raise ValueError(f"bad src_first {first!r}")
             lease = self.leases.begin_pull(rid)
         except (LeaseError, KVLayoutMismatch, ValueError, TypeError) as err:
             reply({"ok": False, "error": str(err)})
             return
         num_blocks = len(dst_ids)
-        if not 0 < num_blocks <= len(lease.block_ids):
+        if not 0 < num_blocks <= len(lease.block_ids) - first:
             self.leases.end_pull(rid)
-            error = f"asked for {num_blocks} blocks; lease {rid} holds {len(lease.block_ids)}"
+            error = f"asked for {num_blocks} blocks from block {first}; lease {rid} holds {len(lease.block_ids)}"
             reply({"ok": False, "error": error})
             return
-        src_ids = lease.block_ids[:num_blocks]
+        src_ids = lease.block_ids[first:first + num_blocks]
         answer = {"ok": True, "bytes": num_blocks * self._bytes_per_block, "src_runs": to_runs(src_ids),
                   "budget_ms": int((hold_until - GRACE_S - time.monotonic()) * 1000)}
         # From here on the gen side may be reading: the pin ends with the copy's confirmation (or

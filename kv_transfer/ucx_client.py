@@ -93,8 +93,10 @@ class UcxKVClient:
         return self._peers.connects
 
     def pull(self, endpoint: str, ctx_request_id: str, remote_layout: KVLayout,
-             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True) -> int:
-        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id`` into ``kv_cache[dst_block_ids]``.
+             kv_cache: torch.Tensor, dst_block_ids: list[int], timeout_s: float, release: bool = True,
+             src_first: int = 0) -> int:
+        """Copy ``len(dst_block_ids)`` blocks of lease ``ctx_request_id``, from its block ``src_first``
+        on (a partial pull), into ``kv_cache[dst_block_ids]``.
 
         With ``release`` the ctx side frees the lease once the copy is confirmed; without, call
         :meth:`release` after the last piece. Blocking; call from a worker thread.
@@ -119,7 +121,7 @@ class UcxKVClient:
         if local is not None and local[0] == address:
             try:
                 return self._pull_local(local[1], name, ctx_request_id, kv_cache, list(dst_block_ids), deadline,
-                                        release)
+                                        release, src_first)
             except _LocalUnreachable as err:
                 log.info("KV pull from %s: its same-host control socket is gone (%s); asking over UCX", name, err)
                 self._local_names.pop(peer, None)
@@ -132,7 +134,7 @@ class UcxKVClient:
             try:
                 direct = bool(self._host_id) and peer not in self._no_direct
                 return self._pull_once(conn, name, ctx_request_id, kv_cache, list(dst_block_ids), deadline,
-                                       release, direct, peer, address)
+                                       release, direct, peer, address, src_first)
             except _DirectRefused as err:
                 if attempt:
                     raise
@@ -198,9 +200,9 @@ class UcxKVClient:
 
     def _pull_once(self, conn: Conn, endpoint: str, rid: str, kv_cache: torch.Tensor,
                    dst_ids: list[int], deadline: float, release: bool, direct: bool,
-                   peer: str | bytes, address: bytes) -> int:
+                   peer: str | bytes, address: bytes, src_first: int) -> int:
         base = self._next_base()
-        answer = self._ask(conn, rid, dst_ids, base, deadline, release, direct)
+        answer = self._ask(conn, rid, dst_ids, base, deadline, release, direct, src_first)
         nbytes, segments, deadline = self._check_answer(answer, base, endpoint, kv_cache, dst_ids, deadline,
                                                         lambda: self._send_done(conn, rid, base, release=False))
         if "src_addrs" in answer:
@@ -217,7 +219,7 @@ class UcxKVClient:
         return nbytes
 
     def _pull_local(self, local: str, endpoint: str, rid: str, kv_cache: torch.Tensor, dst_ids: list[int],
-                    deadline: float, release: bool) -> int:
+                    deadline: float, release: bool, src_first: int) -> int:
         """A same-host pull whose control frames go over the peer's Unix control socket
         (:mod:`kv_transfer.local_control`): same messages, pins and deadlines as over UCX.
         Raises :class:`_LocalUnreachable` when the socket is gone (nothing was asked yet)."""
@@ -229,7 +231,8 @@ class UcxKVClient:
         answered = clean = False
         done = lambda rel: send_msg(sock, self._done_msg(rid, base, rel))  # noqa: E731
         try:
-            answer = exchange(sock, self._pull_request(rid, dst_ids, base, deadline, release, True), deadline)
+            answer = exchange(sock, self._pull_request(rid, dst_ids, base, deadline, release, True, src_first),
+                              deadline)
             answered = True
             nbytes, segments, deadline = self._check_answer(answer, base, endpoint, kv_cache, dst_ids, deadline,
                                                             lambda: done(False))
@@ -294,16 +297,17 @@ class UcxKVClient:
         return nbytes, plan_segments(src_ids, dst_ids), deadline
 
     def _pull_request(self, rid: str, dst_ids: list[int], base: int, deadline: float, release: bool,
-                      direct: bool) -> dict:
+                      direct: bool, src_first: int) -> dict:
         return {"op": "pull", "ctx_request_id": rid, "layout": self._layout_dump, "dst_runs": to_runs(dst_ids),
                 "reply_to": self._reply_to, "tag": base, "release": release,
-                "budget_ms": int((deadline - time.monotonic()) * 1000), "host": self._host_id if direct else None}
+                "budget_ms": int((deadline - time.monotonic()) * 1000), "host": self._host_id if direct else None,
+                "src_first": src_first}
 
     def _ask(self, conn: Conn, rid: str, dst_ids: list[int], base: int, deadline: float,
-             release: bool, direct: bool) -> dict:
+             release: bool, direct: bool, src_first: int) -> dict:
         """Send the pull request; the ctx side's answer."""
         reply_buf = np.empty(FRAME_BYTES, dtype=np.uint8)
-        request = self._pull_request(rid, dst_ids, base, deadline, release, direct)
+        request = self._pull_request(rid, dst_ids, base, deadline, release, direct, src_first)
         try:
             if request["budget_ms"] <= 0:
                 raise EndpointFailed("the pull's deadline passed before it was sent", timed_out=True)

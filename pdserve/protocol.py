@@ -28,6 +28,7 @@ Positive = Annotated[int, Field(ge=1, le=INT64_MAX)]
 TokenIdLax = Annotated[int, Field(ge=0, le=2**31 - 1)]  # where a lax int was accepted before ("5", 5.0)
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 # Where a ctx rank serves its parked blocks: ``tcp://host:port`` or ``ucx://<worker address>``.
+BlockHashHex = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # pdserve.block_hash: 16 bytes, hex
 KVEndpoint = Annotated[str, Field(pattern=r"^(tcp|ucx)://\S+$", max_length=65536)]  # UCX worker addresses run to kilobytes
 
 
@@ -59,9 +60,11 @@ class DisaggregatedParams(BaseModel):
 
     ctx answer: ``ctx_request_id``, ``first_gen_tokens`` (the first sampled token ids),
     ``prompt_token_ids``, ``kv_endpoint`` (opaque transceiver address), ``kv_layout``,
-    ``kv_block_count``, ``lease_deadline`` (unix seconds) and ``cached_tokens`` (prompt tokens the
-    ctx server's prefix cache held; the gen server reports them in ``usage``). The orchestrator
-    forwards them to the gen server with ``request_type = "generation_only"``.
+    ``kv_block_count``, ``lease_deadline`` (unix seconds), ``cached_tokens`` (prompt tokens the
+    ctx server's prefix cache held; the gen server reports them in ``usage``) and
+    ``kv_block_hashes`` (the prompt's full blocks named as every prefix cache names them,
+    pdserve.block_hash, hex: a gen server reuses the leading ones it holds and pulls only the rest).
+    The orchestrator forwards them to the gen server with ``request_type = "generation_only"``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -77,6 +80,8 @@ class DisaggregatedParams(BaseModel):
     kv_block_count: Count | None = None
     lease_deadline: float | None = None
     cached_tokens: Count | None = Field(None, description="ctx answer: prompt tokens its prefix cache held")
+    kv_block_hashes: list[BlockHashHex] | None = Field(
+        None, description="ctx answer: hashes of the prompt's full KV blocks, in order (partial pulls)")
 
     @model_validator(mode="after")
     def _generation_only_has_ctx_state(self) -> "DisaggregatedParams":
@@ -102,6 +107,9 @@ class DisaggregatedParams(BaseModel):
         if self.kv_block_count is not None and self.kv_block_count > needed:
             raise ValueError(f"kv_block_count {self.kv_block_count} is more than the {needed} blocks "
                              f"{len(self.prompt_token_ids or [])} prompt tokens fill")
+        if self.kv_block_hashes is not None and len(self.kv_block_hashes) > len(self.prompt_token_ids or []) // block_size:
+            raise ValueError(f"{len(self.kv_block_hashes)} kv_block_hashes for the "
+                             f"{len(self.prompt_token_ids or []) // block_size} full blocks of the prompt")
         if self.cached_tokens is not None and self.cached_tokens > len(self.prompt_token_ids or []):
             raise ValueError(f"cached_tokens {self.cached_tokens} is more than the "
                              f"{len(self.prompt_token_ids or [])} prompt tokens")

@@ -128,3 +128,17 @@ def test_release_of_a_vanished_lease_fails_the_pull(ctx_side, client_factory):
     ctx_side.leases.release("r")  # e.g. expired meanwhile
     with pytest.raises(KVTransferError, match="gone when released"):
         client.release(ctx_side.server.endpoint, "r", 5)
+
+
+def test_a_partial_pull_copies_the_lease_blocks_from_src_first_on(ctx_side, client_factory):
+    """Partial pulls (the gen side's prefix cache held the first blocks): only lease blocks
+    src_first.. are copied, and asking past the lease's end is refused."""
+    ctx_side.leases.park("r", [5, 2, 9, 11], 16, ttl_s=30)
+    client = client_factory()
+    with pytest.raises(KVTransferError, match="from block 3"):
+        client.pull(ctx_side.server.endpoint, "r", layout(), cache(), [0, 1], timeout_s=5, release=False, src_first=3)
+    dst = cache()
+    n = client.pull(ctx_side.server.endpoint, "r", layout(), dst, [6, 7], timeout_s=5, src_first=2)
+    assert n == 2 * bytes_per_block(layout())
+    assert torch.equal(dst[6], ctx_side.server.kv_cache[9]) and torch.equal(dst[7], ctx_side.server.kv_cache[11])
+    assert dst[:6].abs().sum() == 0 and dst[8:].abs().sum() == 0
