@@ -109,8 +109,22 @@ class DisaggFlow:
                          len(ids), ex.session)
 
     def _is_short(self, hint: RouteHint | None) -> bool:
+        """Conditional disaggregation: the prompt's *uncached* length (its tokens less the prefix the
+        gen pool's router believes a gen server holds, where the router keeps such a record:
+        ``kv_cache_aware``) is below ``max_local_prefill_length``: prefill it on a gen server."""
         limit = self._settings.max_local_prefill_length
-        return limit > 0 and hint is not None and hint.num_tokens < limit
+        if limit <= 0 or hint is None:
+            return False
+        return hint.num_tokens - self._predicted_gen_hit_tokens(hint) < limit
+
+    def _predicted_gen_hit_tokens(self, hint: RouteHint) -> int:
+        router = self._routers.get("gen")
+        router = getattr(router, "inner", router)  # session affinity wraps the policy
+        predict = getattr(router, "predicted_hit_blocks", None)
+        if predict is None or not hint.block_hashes:
+            return 0
+        # As the servers' cache does: at most num_tokens - 1 tokens come from the cache.
+        return min(predict(self._pools.gen, hint) * self._block_size, hint.num_tokens - 1)
 
     async def handle(self, ex: Exchange) -> Response:
         """The client's response. Raises :class:`OrchestratorError` (4xx relay, 503 when a phase fails)."""

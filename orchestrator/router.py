@@ -199,6 +199,13 @@ class KVCacheAwareRouter:
         self._seen.setdefault(best.url, _Seen()).add(hint.block_hashes)
         return best
 
+    def predicted_hit_blocks(self, pool: Pool, hint: RouteHint) -> int:
+        """The longest prefix of ``hint.block_hashes`` (blocks) this router believes a ready server of
+        ``pool`` holds: the orchestrator's estimate of a prefix-cache hit there (conditional
+        disaggregation decides on the uncached rest)."""
+        return max((self._seen[s.url].match(hint.block_hashes) for s in pool.ready() if s.url in self._seen),
+                   default=0)
+
     def _forget_gone(self, pool: Pool) -> None:
         if len(self._seen) > 4 * max(1, len(pool.servers)) + 16:
             live = {s.url for s in pool.servers}

@@ -61,12 +61,12 @@ def complete(url: str, b: dict) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def disaggregated(ctx: str, gen: str, prompt: str) -> str:
-    r = httpx.post(ctx + "/v1/completions", json=body(prompt, disaggregated_params={"request_type": "context_only"}),
-                   timeout=120)
+def disaggregated(ctx: str, gen: str, prompt, **kw) -> str:
+    r = httpx.post(ctx + "/v1/completions", timeout=120,
+                   json=body(prompt, disaggregated_params={"request_type": "context_only"}, **kw))
     assert r.status_code == 200, r.text
     params = {**r.json()["choices"][0]["disaggregated_params"], "request_type": "generation_only"}
-    return complete(gen, body(prompt, disaggregated_params=params))
+    return complete(gen, body(prompt, disaggregated_params=params, **kw))
 
 
 def test_layouts_split_heads_unevenly(servers):
@@ -113,3 +113,32 @@ def test_prefix_cache_ctx_tp2_to_gen_tp1(servers):
         assert g.json()["choices"][0]["text"] == reference
         assert g.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == want
 
+
+
+def _server_counts(url: str) -> tuple[int, int]:
+    info = httpx.get(url + "/server_info", timeout=10).json()
+    return info["kv_blocks_pulled"], info["kv_blocks_skipped"]
+
+
+@pytest.mark.parametrize("ctx_tp,gen_tp", [(2, 1), (1, 2)])
+def test_turn_two_pulls_only_the_missing_blocks_across_tp_sizes(servers, ctx_tp, gen_tp):
+    """Turn 2 extends turn 1's prompt: the gen server already holds turn 1's 7 full blocks (pulled in
+    turn 1), so the TP-mismatched pull copies exactly the 6 it lacks; the answer equals a full pull
+    (another salt: no block shared) and the colocated one."""
+    ctx, gen = servers[f"ctx{ctx_tp}"], servers[f"gen{gen_tp}"]
+    salt = f"turns-{ctx_tp}-{gen_tp}"
+    turn1 = list(range(5, 5 + 30))                           # block_size 4: 7 full blocks + 2 tokens
+    turn2 = turn1 + list(range(400, 420))                    # 50 tokens: 13 blocks, block 7 differs
+    pulled0, skipped0 = _server_counts(gen)
+    assert disaggregated(ctx, gen, turn1, cache_salt=salt) == complete(servers["gen1"], body(turn1, cache_salt="ref"))
+    pulled1, skipped1 = _server_counts(gen)
+    assert (pulled1 - pulled0, skipped1 - skipped0) == (8, 0)
+    partial = disaggregated(ctx, gen, turn2, cache_salt=salt)
+    pulled2, skipped2 = _server_counts(gen)
+    assert (pulled2 - pulled1, skipped2 - skipped1) == (6, 7)
+    full = disaggregated(ctx, gen, turn2, cache_salt=salt + "-full")
+    assert _server_counts(gen) == (pulled2 + 13, skipped2)
+    assert partial == full == complete(servers["gen1"], body(turn2, cache_salt="ref"))
+    for url in (ctx, gen):
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        assert info["free_blocks"] == info["total_blocks"], url
