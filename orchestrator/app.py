@@ -35,6 +35,9 @@ from .h1client import H1Client
 from .httpx_upstream import HttpxUpstream
 from .metrics import Metrics
 from .fleet import Backend, Fleet, ScaleError
+from .kv_feed import KVEventFeeds, httpx_opener
+from .kv_index import KVIndexes
+from .kv_selfcheck import HitSelfCheck
 from .pools import ROLES, ClusterPools, HealthPoller
 from .prefix_admin import add_prefix_cache_routes
 from .prompt_tokens import PromptTokenizer
@@ -45,6 +48,7 @@ from .validation import validation_message
 log = logging.getLogger("orchestrator.app")
 
 SHUTDOWN_TIMEOUT_S = 5.0
+KV_EVENTS_READ_TIMEOUT_S = 5.0  # servers send a heartbeat every second; 5 s of silence is a broken stream
 
 
 class Orchestrator:
@@ -62,8 +66,11 @@ class Orchestrator:
         self.settings = topology.orchestrator
         self.config_path = config_path
         self.pools = ClusterPools.from_topology(topology)
-        self.routers: dict[str, Router] = make_routers(topology)
+        self.kv_indexes = KVIndexes()  # what each member's KV events say it holds
+        self.routers: dict[str, Router] = make_routers(topology, self.kv_indexes)
         self.metrics = Metrics()
+        self.selfcheck = HitSelfCheck(self.kv_indexes, topology.pool_engine("ctx").block_size, self.metrics.registry)
+        self.kv_feeds: KVEventFeeds | None = None
         self.tasks = TaskOwner()
         self.admission = Admission(self.settings.max_inflight_requests, self.settings.retry_after_s)
         self.upstream: H1Client | HttpxUpstream | None = None
@@ -74,6 +81,11 @@ class Orchestrator:
         self.flow: DisaggFlow | None = None
         self.fleet: Fleet | None = None
         self.tokenizer: PromptTokenizer | None = None
+
+    @property
+    def wants_kv_events(self) -> bool:
+        """Whether a pool routes on held blocks (then every member's KV events are followed)."""
+        return any(self.topology.pool_router(role) == "kv_cache_aware" for role in ROLES)
 
     @property
     def needs_tokens(self) -> bool:
@@ -95,7 +107,11 @@ class Orchestrator:
         self.upstream = H1Client(s.connect_timeout_s) if self._transport is None else HttpxUpstream(self.client)
         ctx_engine = self.topology.pool_engine("ctx")
         self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
-                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype)
+                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck)
+        if self.wants_kv_events:
+            opener = httpx_opener(self.client, s.connect_timeout_s, KV_EVENTS_READ_TIMEOUT_S)
+            self.kv_feeds = KVEventFeeds(self.pools, self.kv_indexes, opener, min(s.health_interval_s, 0.5))
+            self.kv_feeds.start()
         backend = self._backend or make_backend(self.topology, self.config_path)
         if backend is not None:
             self.fleet = Fleet(self.topology, self.pools, backend, self.client, self.tasks)
@@ -109,6 +125,8 @@ class Orchestrator:
         # close the client they use.
         if self.poller is not None:
             await self.poller.stop()
+        if self.kv_feeds is not None:
+            await self.kv_feeds.stop(SHUTDOWN_TIMEOUT_S)
         if self.fleet is not None:
             await self.fleet.stop()
         await self.tasks.close(SHUTDOWN_TIMEOUT_S)
@@ -124,12 +142,19 @@ class Orchestrator:
             p = self.topology.pool(role)
             info = {"router": self.topology.pool_router(role), "min_instances": p.min_instances,
                     "max_instances": p.max_instances, "ready": len(pool.ready()),
-                    "in_flight": sum(s.in_flight for s in pool.servers), "servers": [s.status() for s in pool.servers]}
+                    "in_flight": sum(s.in_flight for s in pool.servers),
+                    "servers": [self._server_status(s) for s in pool.servers],
+                    "kv_hits": self.selfcheck.pools[role].as_dict()}
             if self.fleet is not None:
                 info.update(self.fleet.pool_status(role))
             pools[role] = info
         return {"model": self.topology.model.name, "launcher": self.topology.launcher.kind,
                 "ready": self.pools.not_ready_reason() is None, "pools": pools}
+
+
+    def _server_status(self, server) -> dict:
+        index = self.kv_indexes.find(server.url) if self.kv_feeds is not None else None
+        return {**server.status(), "kv_index": index.status() if index is not None else None}
 
 
 def make_backend(topology: Topology, config_path: str | Path | None) -> Backend | None:
