@@ -93,6 +93,11 @@ class FakeEngine:
     def release_parked(self, rid: str) -> bool:
         return False
 
+    def reset_prefix_cache(self) -> int:
+        self.kv_events.cleared()
+        dropped, self.held_hashes = len(self.held_hashes), []
+        return dropped
+
     def take_kv_events(self):
         return self.kv_events.take()
 
