@@ -104,7 +104,7 @@ def metric(text: str, name: str, pool: str) -> float:
 
 
 @pytest.mark.parametrize("holder", ["ctx1", "ctx0"])
-def test_a_prompt_goes_to_the_ctx_server_that_holds_its_prefix(cluster, holder):
+def test_a_prompt_goes_to_the_ctx_server_that_holds_its_prefix(cluster, holder, capsys):
     orch = cluster["orchestrator"].url
     base = 11 if holder == "ctx1" else 500
     prefix = [base + (3 * i) % 400 for i in range(40)]  # 10 full blocks
@@ -136,3 +136,9 @@ def test_a_prompt_goes_to_the_ctx_server_that_holds_its_prefix(cluster, holder):
     gen_hashes = set(httpx.get(cluster["gen0"].url + "/kv_events/snapshot", timeout=5).json()["hashes"])
     assert len(gen_hashes) >= 10
     wait_for(lambda: servers_status(orch)[-1]["kv_index"]["blocks"] == len(gen_hashes), 10, "the gen index")
+    # pdserve status shows every index and the pool's self-check
+    from orchestrator.cli import main
+    assert main(["status", "--url", orch]) == 0
+    out = capsys.readouterr().out
+    assert out.count("synced") == 3 and "prefix hits" in out
+    assert f"reported {hits['reported_hit_tokens']} hit tokens" in out
