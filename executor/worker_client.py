@@ -61,7 +61,7 @@ class WorkerClient(EngineClient):
         return self._requests.dead_reason
 
     def stats(self) -> dict:
-        return {**self._stats, **self._stats_extra()}
+        return {**self._stats, **self._stats_extra(), **self.kv_events.stats()}
 
     async def generate(self, request: "EngineRequest",
                        disagg: "DisaggregatedParams | None" = None) -> AsyncIterator[object]:
@@ -85,7 +85,8 @@ class WorkerClient(EngineClient):
     async def fresh_stats(self) -> dict:
         if self.state == EngineState.DEAD:
             return self.stats()
-        return {**await self._call(StatsQuery, timeout_s=STATS_TIMEOUT_S), **self._stats_extra()}
+        return {**await self._call(StatsQuery, timeout_s=STATS_TIMEOUT_S), **self._stats_extra(),
+                **self.kv_events.stats()}
 
     async def reset_prefix_cache(self) -> int:
         if self.state == EngineState.DEAD:

@@ -57,6 +57,8 @@ def test_batches_reach_the_frontend_in_order_and_the_snapshot_covers_them(kind):
         assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
         snap = await harness.client.kv_snapshot()
         assert set(snap.hashes) == {h(i) for i in range(5)} and snap.seq == batches[-1].seq
+        stats = harness.client.stats()  # exported in /metrics as pdserve_kv_events_dropped_batches_total
+        assert stats["kv_events_dropped_batches"] == 0 and stats["kv_events_buffered_batches"] == len(batches)
 
     run(kind, scenario)
 
