@@ -2,7 +2,8 @@
 servers and one gen server (engines in threads of this process, each behind its own uvicorn) and
 the orchestrator with ``kv_cache_aware`` in both pools. A prompt whose prefix one ctx server holds
 (computed there by a request sent straight to it) is routed to that server, which reports the hit;
-the orchestrator's predicted-vs-reported counters move together."""
+the orchestrator's predicted-vs-reported counters move together; a restarted ctx server gets a
+new index (new epoch, empty)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def cluster(tiny_model_dir, tmp_path_factory):
         wait_for(lambda: httpx.get(orch.url + "/health", timeout=5).status_code == 200, 60, "the cluster")
         wait_for(lambda: all(s["kv_index"] and s["kv_index"]["synced"] for s in servers_status(orch.url)), 30,
                  "every member's KV index to sync")
+        servers["topology"] = topo  # type: ignore[assignment]
         yield servers
     finally:
+        servers.pop("topology", None)
         for s in servers.values():
             s.stop()
 
@@ -142,3 +145,32 @@ def test_a_prompt_goes_to_the_ctx_server_that_holds_its_prefix(cluster, holder, 
     out = capsys.readouterr().out
     assert out.count("synced") == 3 and "prefix hits" in out
     assert f"reported {hits['reported_hit_tokens']} hit tokens" in out
+
+
+def test_a_restarted_server_gets_a_new_index(cluster):
+    """ctx1 stops (its stream breaks: index gone at once) and a new engine starts on its address:
+    the orchestrator subscribes again and rebuilds the index from the new epoch's snapshot, so the
+    prefix the old process held no longer attracts requests."""
+    orch, topo = cluster["orchestrator"].url, cluster["topology"]
+    old = cluster["ctx1"]
+    entry = lambda: next(s for s in ctx_status(orch)["servers"] if s["url"] == old.url)  # noqa: E731
+    old_epoch = entry()["kv_index"]["epoch"]
+    assert entry()["kv_index"]["blocks"] >= 10  # what the first test left there
+    old.stop()
+    wait_for(lambda: not (entry()["kv_index"] or {}).get("synced"), 15, "the broken stream to drop the index")
+    cfg = topo.server_config("ctx", 1)
+    cluster["ctx1"] = ThreadedUvicorn(create_server_app(build_inproc_state(cfg)), cfg.host, cfg.port).start()
+    index = wait_for(lambda: (i := entry()["kv_index"]) and i["synced"] and i["epoch"] != old_epoch and i, 30,
+                     "the restarted server's index")
+    assert index["blocks"] == 0 and index["seq"] == 0
+    prefix = [11 + (3 * i) % 400 for i in range(40)]  # the ctx1 prompt of the first test
+    before = {s["url"]: s["served"] for s in ctx_status(orch)["servers"]}
+    hits = ctx_status(orch)["kv_hits"]
+    answer = complete(orch, prefix + [5, 5, 5])
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    after = ctx_status(orch)["kv_hits"]
+    # nobody holds it now: predicted 0, and the server it went to reports 0 too (a fresh cache, or
+    # ctx0 which never computed it)
+    assert after["predicted_hit_tokens"] == hits["predicted_hit_tokens"]
+    assert after["reported_hit_tokens"] == hits["reported_hit_tokens"]
+    assert sum(s["served"] - before[s["url"]] for s in ctx_status(orch)["servers"]) == 1
