@@ -19,7 +19,7 @@ from pdserve.config import Topology
 from pdserve.request_id import install_log_filter
 
 from .app import create_app
-from .process_group import ProcessSpec, bind_public, bind_unix
+from .process_group import ProcessSpec, bind_public, bind_unix, check_port_free
 
 log = logging.getLogger("orchestrator.group")
 
@@ -32,12 +32,17 @@ def _serve(app, sockets: list, log_level: str) -> None:
 
 def run_owner(topology: Topology, config_path: str, log_level: str) -> int:
     """Serve as process 0 of ``orchestrator.num_workers`` until SIGINT/SIGTERM; the workers are
-    started by the app's lifespan and stopped with it. Returns 0."""
+    started by the app's lifespan and stopped with it. Returns 0, or 1 when the port is taken."""
     s = topology.orchestrator
     spec = ProcessSpec.new_owner(s.num_workers)
     try:
         # Bound before any worker starts: a taken port fails here, once, not in K processes.
-        sockets = [bind_public(s.host, s.port), bind_unix(spec.socket_path(0))]
+        try:
+            check_port_free(s.host, s.port)
+            sockets = [bind_public(s.host, s.port), bind_unix(spec.socket_path(0))]
+        except OSError as err:
+            print(f"error: cannot listen on {s.host}:{s.port}: {err}", file=sys.stderr)
+            return 1
         payload = {"topology": topology.model_dump(mode="json"), "log_level": log_level}
         log.info("orchestrator owner pid %d: %d processes on %s:%d", os.getpid(), s.num_workers, s.host, s.port)
         _serve(create_app(topology, config_path=config_path, group=spec, group_payload=payload), sockets, log_level)

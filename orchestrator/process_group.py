@@ -80,6 +80,15 @@ class ProcessSpec:
         return cls(**doc.pop("spec")), doc
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (EADDRINUSE) when something listens on ``host:port`` already. A plain bind
+    conflicts with any listener, while ``SO_REUSEPORT`` binds of the same user would silently
+    share the port with, say, a second orchestrator group; the owner checks once, before binding."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are no conflict
+        probe.bind((host, port))
+
+
 def bind_public(host: str, port: int) -> socket.socket:
     """The public TCP socket of one process (``SO_REUSEPORT``: each process binds its own).
     Raises OSError (e.g. the port is taken by something that does not set ``SO_REUSEPORT``)."""

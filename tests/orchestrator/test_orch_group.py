@@ -1,11 +1,12 @@
-"""The owner <-> worker feed (:mod:`orchestrator.feed`), the metrics sum and the K = 1 path, in
-process (no sockets but the existing fake cluster's)."""
+"""Pieces of an orchestrator process group, in process: the owner <-> worker feed
+(:mod:`orchestrator.feed`), the metrics sum, the port check, and the K = 1 path."""
 
 from __future__ import annotations
 
 import re
 
 import httpx
+import pytest
 from prometheus_client import generate_latest
 
 from orchestrator import jsonio
@@ -13,7 +14,7 @@ from orchestrator.feed import FeedHub, WorkerReport, apply_view
 from orchestrator.metrics import Metrics
 from orchestrator.metrics_sum import sum_expositions
 from orchestrator.pools import ClusterPools, Pool, Server, ServerState
-from orchestrator.process_group import WORKER_HEADER
+from orchestrator.process_group import WORKER_HEADER, bind_public, check_port_free
 
 
 def _pools(n_gen: int = 2) -> ClusterPools:
@@ -127,3 +128,15 @@ def test_one_process_is_todays_path_no_group_no_worker_header(cluster):
     assert resp.status_code == 200 and WORKER_HEADER.decode() not in resp.headers
     status = httpx.get(cluster.url + "/cluster/status", timeout=10, trust_env=False).json()
     assert "processes" not in status
+
+
+def test_the_owner_refuses_a_port_someone_listens_on_even_with_so_reuseport():
+    taken = bind_public("127.0.0.1", 0)  # SO_REUSEPORT, as another orchestrator group would bind
+    port = taken.getsockname()[1]
+    check_port_free("127.0.0.1", port)  # bound but not listening: no conflict yet
+    taken.listen()
+    try:
+        with pytest.raises(OSError):
+            check_port_free("127.0.0.1", port)
+    finally:
+        taken.close()
