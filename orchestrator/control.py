@@ -81,6 +81,11 @@ def status_table(status: dict) -> Table:
             table.add_row(head if i == 0 else "", s["name"], s["url"], s["source"], s["state"], str(s["in_flight"]),
                           str(s["served"]), s["last_error"] or "")
         table.add_section()
+    if status.get("processes"):  # orchestrator.num_workers > 1
+        table.caption = "orchestrator processes: " + "; ".join(
+            f"{p['index']} {p['role']} pid {p['pid']}" + ("" if p["alive"] else " DEAD")
+            + (f" ({p['restarts']} restarts, {p.get('in_flight', 0)} in flight)" if p["role"] == "worker" else "")
+            for p in status["processes"])
     return table
 
 
