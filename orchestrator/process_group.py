@@ -10,8 +10,10 @@ internal routes (:mod:`orchestrator.feed`, :mod:`orchestrator.owner`, :mod:`orch
 
 Lifetimes: a worker gets ``PR_SET_PDEATHSIG`` = SIGTERM (it stops, gracefully, when the owner's
 main thread exits, even by ``kill -9``) and checks at start that its parent is still the owner
-(a death before the ``prctl`` would send no signal). A worker that dies is restarted after
-:data:`RESTART_BACKOFF_S`, at most ``orchestrator.worker_max_restarts`` times per slot.
+(a death before the ``prctl`` would send no signal). A worker that dies (a signal, a non-zero
+exit) is restarted after :data:`RESTART_BACKOFF_S`, at most ``orchestrator.worker_max_restarts``
+times per slot; one that exits 0 was stopped on purpose (SIGTERM, as when ``pdserve up`` stops the
+orchestrator's process group) and is not.
 """
 
 from __future__ import annotations
@@ -199,6 +201,11 @@ class WorkerSupervisor:
             return
         code = slot.proc.returncode
         self._on_exit(slot.index)
+        if code == 0:  # stopped on purpose (a SIGTERM to the whole group, e.g. `pdserve up` stopping)
+            if not slot.given_up:
+                log.info("orchestrator worker %d stopped (exit 0); not restarting it", slot.index)
+                slot.given_up = True
+            return
         if slot.restarts >= self.max_restarts:
             if not slot.given_up:
                 log.error("orchestrator worker %d exited (%s) and used up its %d restarts", slot.index, code,

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -14,7 +17,8 @@ from orchestrator.feed import FeedHub, WorkerReport, apply_view
 from orchestrator.metrics import Metrics
 from orchestrator.metrics_sum import sum_expositions
 from orchestrator.pools import ClusterPools, Pool, Server, ServerState
-from orchestrator.process_group import WORKER_HEADER, bind_public, check_port_free
+from orchestrator.process_group import (RESTART_BACKOFF_S, WORKER_HEADER, ProcessSpec, WorkerSupervisor,
+                                        bind_public, check_port_free)
 
 
 def _pools(n_gen: int = 2) -> ClusterPools:
@@ -140,3 +144,25 @@ def test_the_owner_refuses_a_port_someone_listens_on_even_with_so_reuseport():
             check_port_free("127.0.0.1", port)
     finally:
         taken.close()
+
+
+def test_supervisor_restarts_a_crashed_worker_up_to_its_budget_but_not_one_stopped_on_purpose():
+    spec = ProcessSpec(0, 3, "/nonexistent", "t", os.getpid())
+    exited: list[int] = []
+    sup = WorkerSupervisor(spec, {}, max_restarts=1, on_exit=exited.append, on_tick=lambda: None)
+    crashed, stopped = sup.slots
+    crashed.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    stopped.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"])
+    crashed.proc.wait(30), stopped.proc.wait(30)
+    spawned: list[int] = []
+    sup._spawn = lambda slot: (spawned.append(slot.index), setattr(slot, "restart_at_s", None))  # no real worker
+    sup._check(crashed, now=100.0)
+    sup._check(stopped, now=100.0)
+    assert exited == [1, 2] and crashed.restart_at_s == 100.0 + RESTART_BACKOFF_S and stopped.given_up
+    sup._check(crashed, now=100.5)
+    assert spawned == []  # the back-off holds
+    sup._check(crashed, now=101.5)
+    assert spawned == [1] and crashed.restarts == 1
+    sup._check(crashed, now=102.0)  # the same dead process again: its budget of 1 is spent
+    assert spawned == [1] and crashed.given_up
+    assert [s["restarts"] for s in sup.status()] == [1, 0]
