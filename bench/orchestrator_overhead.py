@@ -223,7 +223,11 @@ def main() -> int:
     workers_note = "" if a.pdserve_workers == "1" else (
         f" `K=k`: `orchestrator.num_workers: k`, k processes on one port (SO_REUSEPORT), all of them on "
         f"core(s) {a.router_cores} (taskset is inherited).")
-    body = f"""## Orchestrator overhead: direct vs pdserve orchestrator vs sglang-router (PD mode)
+    title = "Orchestrator overhead: direct vs pdserve orchestrator" + (
+        " vs sglang-router (PD mode)" if any(n.startswith("sglang") for n in lat) else "") + (
+        "" if a.pdserve_workers == "1" else f", orchestrator.num_workers {a.pdserve_workers}, routers on core(s) "
+        f"{a.router_cores}")
+    body = f"""## {title}
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 

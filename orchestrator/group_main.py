@@ -24,15 +24,22 @@ from .process_group import ProcessSpec, bind_public, bind_unix, check_port_free
 log = logging.getLogger("orchestrator.group")
 
 
-def _serve(app, sockets: list, log_level: str) -> None:
+STARTUP_FAILURE = 3  # as uvicorn.run: the app's lifespan start failed (e.g. no view from the owner)
+
+
+def _serve(app, sockets: list, log_level: str) -> int:
+    """Run uvicorn on ``sockets`` until it stops; 0, or :data:`STARTUP_FAILURE` when it never started."""
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
                             loop="auto", http="auto")
-    uvicorn.Server(config).run(sockets=sockets)
+    server = uvicorn.Server(config)
+    server.run(sockets=sockets)
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def run_owner(topology: Topology, config_path: str, log_level: str) -> int:
     """Serve as process 0 of ``orchestrator.num_workers`` until SIGINT/SIGTERM; the workers are
-    started by the app's lifespan and stopped with it. Returns 0, or 1 when the port is taken."""
+    started by the app's lifespan and stopped with it. Returns 0, 1 when the port is taken, 3 when
+    the app's start failed."""
     s = topology.orchestrator
     spec = ProcessSpec.new_owner(s.num_workers)
     try:
@@ -45,15 +52,16 @@ def run_owner(topology: Topology, config_path: str, log_level: str) -> int:
             return 1
         payload = {"topology": topology.model_dump(mode="json"), "log_level": log_level}
         log.info("orchestrator owner pid %d: %d processes on %s:%d", os.getpid(), s.num_workers, s.host, s.port)
-        _serve(create_app(topology, config_path=config_path, group=spec, group_payload=payload), sockets, log_level)
+        return _serve(create_app(topology, config_path=config_path, group=spec, group_payload=payload), sockets,
+                      log_level)
     finally:
         shutil.rmtree(spec.ipc_dir, ignore_errors=True)
-    return 0
 
 
 def run_worker() -> int:
     """Serve as one worker (started by the owner, the attach info in the environment). Returns 0
-    when stopped, 1 when the owner is already gone, 2 when not started by an owner."""
+    when stopped, 1 when the owner is already gone, 2 when not started by an owner, 3 when its
+    start failed (no view from the owner in time: the owner restarts it)."""
     try:
         spec, payload = ProcessSpec.pop_from_env()
     except KeyError:
@@ -71,5 +79,4 @@ def run_worker() -> int:
     topology = Topology.model_validate(payload["topology"])
     s = topology.orchestrator
     sockets = [bind_public(s.host, s.port), bind_unix(spec.socket_path(spec.index))]
-    _serve(create_app(topology, group=spec), sockets, log_level)
-    return 0
+    return _serve(create_app(topology, group=spec), sockets, log_level)

@@ -86,7 +86,13 @@ class OwnerSide:
         texts = await asyncio.gather(*(self._scrape(i) for i in indices))
         answered = [t for t in texts if t is not None]
         self._orch.metrics.processes.set(1 + len(answered))
-        return sum_expositions([self._orch.render_metrics(), *answered])
+        own = self._orch.render_metrics()
+        try:
+            return sum_expositions([own, *answered])
+        except ValueError:  # a worker's text did not parse: answer the owner's own rather than nothing
+            log.exception("summing the workers' metrics failed; answering the owner's alone")
+            self._orch.metrics.processes.set(1)
+            return self._orch.render_metrics()
 
     async def _scrape(self, index: int) -> bytes | None:
         client = self._peers.get(index)

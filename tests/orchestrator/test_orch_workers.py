@@ -5,6 +5,7 @@ the kernel's SO_REUSEPORT choice is drawn afresh each time."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -152,7 +153,7 @@ def test_control_routes_work_from_either_process(group):
         assert [p["index"] for p in procs] == [0, 1] and all(p["alive"] for p in procs)
         owner_pids.add(procs[0]["pid"])
     assert owner_pids == {group.proc.pid}  # the owner answers for both
-    console = Console(record=True, width=300)
+    console = Console(record=True, width=300, file=io.StringIO())
     console.print(status_table(resp.json()))
     assert f"0 owner pid {group.proc.pid}; 1 worker pid {group.worker_pid()}" in console.export_text()  # pdserve status
     ctx_url = group.fakes[0].url
@@ -231,21 +232,18 @@ def test_killing_a_worker_loses_only_its_requests_and_it_comes_back(group):
     assert {r.status_code for r in answers.values()} == {200}
 
 
-def test_owner_death_stops_the_workers_within_seconds(tmp_path):
-    g = Group(tmp_path)
-    try:
-        worker = g.worker_pid()
-        assert _alive(worker)
-        g.proc.kill()
-        g.proc.wait(5)
-        t0 = time.monotonic()
-        while _alive(worker) and time.monotonic() - t0 < 15:
-            time.sleep(0.05)
-        gone_after_s = time.monotonic() - t0
-        assert not _alive(worker), "the worker outlived its owner by 15 s"
-        print(f"worker gone {gone_after_s:.2f} s after the owner")
-        assert gone_after_s < 8, gone_after_s
-        with pytest.raises(httpx.ConnectError):  # nobody is left on the port
-            g.get("/health")
-    finally:
-        g.stop()
+def test_owner_death_stops_the_workers_within_seconds(group):
+    """Last in this file: it ends the module's group (the fixture's stop then finds it gone)."""
+    worker = group.worker_pid()
+    assert _alive(worker)
+    group.proc.kill()
+    group.proc.wait(5)
+    t0 = time.monotonic()
+    while _alive(worker) and time.monotonic() - t0 < 15:
+        time.sleep(0.05)
+    gone_after_s = time.monotonic() - t0
+    assert not _alive(worker), "the worker outlived its owner by 15 s"
+    print(f"worker gone {gone_after_s:.2f} s after the owner")
+    assert gone_after_s < 8, gone_after_s
+    with pytest.raises(httpx.ConnectError):  # nobody is left on the port
+        group.get("/health")
