@@ -5,7 +5,6 @@ the kernel's SO_REUSEPORT choice is drawn afresh each time."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -19,11 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from rich.console import Console
 
 from orch_fakes import MODEL, Behavior, Record, ThreadServer, bind_socket, make_fake_server, text_of
 from conftest import make_topology
-from orchestrator.control import status_table
+from orchestrator.control import processes_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-admin-token"
@@ -153,9 +151,8 @@ def test_control_routes_work_from_either_process(group):
         assert [p["index"] for p in procs] == [0, 1] and all(p["alive"] for p in procs)
         owner_pids.add(procs[0]["pid"])
     assert owner_pids == {group.proc.pid}  # the owner answers for both
-    console = Console(record=True, width=300, file=io.StringIO())
-    console.print(status_table(resp.json()))
-    assert f"0 owner pid {group.proc.pid}; 1 worker pid {group.worker_pid()}" in console.export_text()  # pdserve status
+    line = processes_line(resp.json())  # what `pdserve status` prints under its table
+    assert line is not None and f"0 owner pid {group.proc.pid}; 1 worker pid {group.worker_pid()}" in line
     ctx_url = group.fakes[0].url
     reg = {"role": "ctx", "url": ctx_url, "model": MODEL, "state": "serving"}
     for resp in group.from_each(lambda: httpx.post(group.url + "/cluster/workers", json=reg, headers=AUTH,
