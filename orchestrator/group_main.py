@@ -18,7 +18,6 @@ import uvicorn
 from pdserve.config import Topology
 from pdserve.request_id import install_log_filter
 
-from .app import create_app
 from .process_group import ProcessSpec, bind_public, bind_unix, check_port_free
 
 log = logging.getLogger("orchestrator.group")
@@ -40,6 +39,8 @@ def run_owner(topology: Topology, config_path: str, log_level: str) -> int:
     """Serve as process 0 of ``orchestrator.num_workers`` until SIGINT/SIGTERM; the workers are
     started by the app's lifespan and stopped with it. Returns 0, 1 when the port is taken, 3 when
     the app's start failed."""
+    from .app import create_app
+
     s = topology.orchestrator
     spec = ProcessSpec.new_owner(s.num_workers)
     try:
@@ -76,6 +77,8 @@ def run_worker() -> int:
     if os.getppid() != spec.owner_pid:  # the owner died before PR_SET_PDEATHSIG was armed
         log.error("the owner (pid %d) is gone; not starting", spec.owner_pid)
         return 1
+    from .app import create_app  # imported after the checks above: a refused start stays cheap
+
     topology = Topology.model_validate(payload["topology"])
     s = topology.orchestrator
     sockets = [bind_public(s.host, s.port), bind_unix(spec.socket_path(spec.index))]

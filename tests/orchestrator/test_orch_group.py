@@ -166,3 +166,15 @@ def test_supervisor_restarts_a_crashed_worker_up_to_its_budget_but_not_one_stopp
     sup._check(crashed, now=102.0)  # the same dead process again: its budget of 1 is spent
     assert spawned == [1] and crashed.given_up
     assert [s["restarts"] for s in sup.status()] == [1, 0]
+
+
+def test_a_worker_refuses_to_start_by_hand_or_after_its_owner_died():
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ORCH_ATTACH"}
+    by_hand = subprocess.run([sys.executable, "-m", "orchestrator.worker_main"], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert by_hand.returncode == 2 and "started by the orchestrator's owner" in by_hand.stderr
+    orphan = ProcessSpec(1, 2, "/nonexistent", "t", owner_pid=os.getpid() + 10**6)  # not its parent
+    env["PDSERVE_ORCH_ATTACH"] = orphan.to_env({"topology": {}, "log_level": "warning"})
+    late = subprocess.run([sys.executable, "-m", "orchestrator.worker_main"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert late.returncode == 1 and "is gone" in late.stderr
