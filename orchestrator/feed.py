@@ -111,7 +111,8 @@ class FeedHub:
         return next((s for s in self._pools.all_servers() if s.url == url), None)
 
 
-def apply_view(pools: ClusterPools, servers: list[dict], keep_state: set[str] = frozenset()) -> tuple[list, list]:
+def apply_view(pools: ClusterPools, servers: list[dict],
+               keep_state: frozenset[str] | set[str] = frozenset()) -> tuple[list[Server], list[Server]]:
     """Mirror the owner's members into ``pools`` (same order; objects reused by URL, so the
     requests in flight keep counting on them). ``keep_state``: URLs whose local state is not
     overwritten (a failure this process saw that the owner has not heard of yet). Returns the
