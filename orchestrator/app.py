@@ -34,6 +34,9 @@ from .front import OPENAI_PATHS, serve_openai
 from .h1client import H1Client
 from .httpx_upstream import HttpxUpstream
 from .metrics import Metrics
+from .owner import OwnerSide
+from .process_group import ProcessSpec, tag_answers
+from .worker import WorkerSide
 from .fleet import Backend, Fleet, ScaleError
 from .kv_feed import KVEventFeeds, httpx_opener
 from .kv_index import KVIndexes
@@ -61,7 +64,8 @@ class Orchestrator:
     """
 
     def __init__(self, topology: Topology, transport: httpx.AsyncBaseTransport | None = None,
-                 config_path: str | Path | None = None, backend: Backend | None = None) -> None:
+                 config_path: str | Path | None = None, backend: Backend | None = None,
+                 group: ProcessSpec | None = None, group_payload: dict | None = None) -> None:
         self.topology = topology
         self.settings = topology.orchestrator
         self.config_path = config_path
@@ -81,6 +85,10 @@ class Orchestrator:
         self.flow: DisaggFlow | None = None
         self.fleet: Fleet | None = None
         self.tokenizer: PromptTokenizer | None = None
+        # orchestrator.num_workers > 1: this process's part of the group (None: the one process).
+        self.side: OwnerSide | WorkerSide | None = None
+        if group is not None:
+            self.side = OwnerSide(self, group, group_payload or {}) if group.is_owner else WorkerSide(self, group)
 
     @property
     def wants_kv_events(self) -> bool:
@@ -108,10 +116,13 @@ class Orchestrator:
         ctx_engine = self.topology.pool_engine("ctx")
         self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
                                ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck)
-        if self.wants_kv_events:
+        if self.wants_kv_events:  # every process routes, so each follows the KV events itself
             opener = httpx_opener(self.client, s.connect_timeout_s, KV_EVENTS_READ_TIMEOUT_S)
             self.kv_feeds = KVEventFeeds(self.pools, self.kv_indexes, opener, min(s.health_interval_s, 0.5))
             self.kv_feeds.start()
+        if isinstance(self.side, WorkerSide):  # membership, polls and launching are the owner's
+            await self.side.start()
+            return
         backend = self._backend or make_backend(self.topology, self.config_path)
         if backend is not None:
             self.fleet = Fleet(self.topology, self.pools, backend, self.client, self.tasks)
@@ -119,10 +130,14 @@ class Orchestrator:
                 self.fleet.expect_started(s.startup_timeout_s)
             self.fleet.start()
         self.poller.start()
+        if self.side is not None:
+            self.side.start()
 
     async def stop(self) -> None:
-        # Order: stop polling, stop launched servers, let pending lease releases finish, then
-        # close the client they use.
+        # Order: stop the other orchestrator processes (or this worker's feed), stop polling, stop
+        # launched servers, let pending lease releases finish, then close the client they use.
+        if self.side is not None:
+            await self.side.stop()
         if self.poller is not None:
             await self.poller.stop()
         if self.kv_feeds is not None:
@@ -134,6 +149,11 @@ class Orchestrator:
             await self.upstream.aclose()
         if self.client is not None:
             await self.client.aclose()
+
+    def render_metrics(self) -> bytes:
+        """This process's own Prometheus exposition (the pool gauges refreshed first)."""
+        targets = self.fleet.targets if self.fleet is not None else None
+        return self.metrics.render(self.pools, targets)
 
     def status(self) -> dict:
         pools = {}
@@ -148,9 +168,11 @@ class Orchestrator:
             if self.fleet is not None:
                 info.update(self.fleet.pool_status(role))
             pools[role] = info
-        return {"model": self.topology.model.name, "launcher": self.topology.launcher.kind,
-                "ready": self.pools.not_ready_reason() is None, "pools": pools}
-
+        out = {"model": self.topology.model.name, "launcher": self.topology.launcher.kind,
+               "ready": self.pools.not_ready_reason() is None, "pools": pools}
+        if isinstance(self.side, OwnerSide):
+            out["processes"] = self.side.status()
+        return out
 
     def _server_status(self, server) -> dict:
         index = self.kv_indexes.find(server.url) if self.kv_feeds is not None else None
@@ -170,9 +192,12 @@ def make_backend(topology: Topology, config_path: str | Path | None) -> Backend 
 
 
 def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None = None,
-               config_path: str | Path | None = None, backend: Backend | None = None) -> FastAPI:
-    """The orchestrator app for ``topology``. ``transport`` replaces the network (tests)."""
-    orch = Orchestrator(topology, transport, config_path, backend)
+               config_path: str | Path | None = None, backend: Backend | None = None,
+               group: ProcessSpec | None = None, group_payload: dict | None = None) -> FastAPI:
+    """The orchestrator app for ``topology``. ``transport`` replaces the network (tests).
+    ``group``: this process's place in a group of ``orchestrator.num_workers`` processes
+    (:mod:`orchestrator.process_group`; ``group_payload``: what the owner starts workers with)."""
+    orch = Orchestrator(topology, transport, config_path, backend, group, group_payload)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -217,6 +242,11 @@ class OrchestratorApp(FastAPI):
     orchestrator: Orchestrator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        side = self.orchestrator.side
+        if side is not None and scope["type"] == "http":  # one of K processes (K = 1 never gets here)
+            send = tag_answers(send, side.spec.index)
+            if await side.handle(scope, receive, send):
+                return
         if scope["type"] == "http" and scope["path"] in OPENAI_PATHS:
             if scope["method"] == "POST":
                 await serve_openai(self.orchestrator, scope, receive, send)
@@ -251,8 +281,7 @@ def add_cluster_routes(app: FastAPI, orch: Orchestrator) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        targets = orch.fleet.targets if orch.fleet is not None else None
-        return Response(orch.metrics.render(orch.pools, targets), media_type=orch.metrics.content_type)
+        return Response(orch.render_metrics(), media_type=orch.metrics.content_type)
 
 
 class WorkerRegistration(BaseModel):

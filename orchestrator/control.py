@@ -108,6 +108,16 @@ def kv_hits_cell(hits: dict) -> str:
             f"{hits['unindexed']} routed without an index)")
 
 
+def processes_line(status: dict) -> str | None:
+    """One line naming the orchestrator's processes (``orchestrator.num_workers`` > 1), else None."""
+    if not status.get("processes"):
+        return None
+    return "orchestrator processes: " + "; ".join(
+        f"{p['index']} {p['role']} pid {p['pid']}" + ("" if p["alive"] else " DEAD")
+        + (f" ({p['restarts']} restarts, {p.get('in_flight', 0)} in flight)" if p["role"] == "worker" else "")
+        for p in status["processes"])
+
+
 def cmd_status(url: str, as_json: bool) -> int:
     status = fetch_status(url)
     if as_json:
@@ -115,7 +125,10 @@ def cmd_status(url: str, as_json: bool) -> int:
 
         print(json.dumps(status, indent=2))
     else:
-        Console(width=160).print(status_table(status))
+        console = Console(width=160)
+        console.print(status_table(status))
+        if (line := processes_line(status)) is not None:
+            console.print(line)
     return 0 if status["ready"] else 3
 
 
@@ -165,7 +178,10 @@ def cmd_scale(url: str, args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         status = fetch_status(url)
         if settled(status, sizes):
-            Console(width=160).print(status_table(status))
+            console = Console(width=160)
+        console.print(status_table(status))
+        if (line := processes_line(status)) is not None:
+            console.print(line)
             return 0
         time.sleep(0.5)
     print(f"error: the pools did not settle within {args.timeout:g} s", file=sys.stderr)
