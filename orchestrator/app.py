@@ -38,6 +38,9 @@ from .owner import OwnerSide
 from .process_group import ProcessSpec, tag_answers
 from .worker import WorkerSide
 from .fleet import Backend, Fleet, ScaleError
+from .kv_feed import KVEventFeeds, httpx_opener
+from .kv_index import KVIndexes
+from .kv_selfcheck import HitSelfCheck
 from .pools import ROLES, ClusterPools, HealthPoller
 from .prefix_admin import add_prefix_cache_routes
 from .prompt_tokens import PromptTokenizer
@@ -48,6 +51,7 @@ from .validation import validation_message
 log = logging.getLogger("orchestrator.app")
 
 SHUTDOWN_TIMEOUT_S = 5.0
+KV_EVENTS_READ_TIMEOUT_S = 5.0  # servers send a heartbeat every second; 5 s of silence is a broken stream
 
 
 class Orchestrator:
@@ -66,8 +70,11 @@ class Orchestrator:
         self.settings = topology.orchestrator
         self.config_path = config_path
         self.pools = ClusterPools.from_topology(topology)
-        self.routers: dict[str, Router] = make_routers(topology)
+        self.kv_indexes = KVIndexes()  # what each member's KV events say it holds
+        self.routers: dict[str, Router] = make_routers(topology, self.kv_indexes)
         self.metrics = Metrics()
+        self.selfcheck = HitSelfCheck(self.kv_indexes, topology.pool_engine("ctx").block_size, self.metrics.registry)
+        self.kv_feeds: KVEventFeeds | None = None
         self.tasks = TaskOwner()
         self.admission = Admission(self.settings.max_inflight_requests, self.settings.retry_after_s)
         self.upstream: H1Client | HttpxUpstream | None = None
@@ -82,6 +89,11 @@ class Orchestrator:
         self.side: OwnerSide | WorkerSide | None = None
         if group is not None:
             self.side = OwnerSide(self, group, group_payload or {}) if group.is_owner else WorkerSide(self, group)
+
+    @property
+    def wants_kv_events(self) -> bool:
+        """Whether a pool routes on held blocks (then every member's KV events are followed)."""
+        return any(self.topology.pool_router(role) == "kv_cache_aware" for role in ROLES)
 
     @property
     def needs_tokens(self) -> bool:
@@ -103,7 +115,11 @@ class Orchestrator:
         self.upstream = H1Client(s.connect_timeout_s) if self._transport is None else HttpxUpstream(self.client)
         ctx_engine = self.topology.pool_engine("ctx")
         self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
-                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype)
+                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck)
+        if self.wants_kv_events:  # every process routes, so each follows the KV events itself
+            opener = httpx_opener(self.client, s.connect_timeout_s, KV_EVENTS_READ_TIMEOUT_S)
+            self.kv_feeds = KVEventFeeds(self.pools, self.kv_indexes, opener, min(s.health_interval_s, 0.5))
+            self.kv_feeds.start()
         if isinstance(self.side, WorkerSide):  # membership, polls and launching are the owner's
             await self.side.start()
             return
@@ -124,6 +140,8 @@ class Orchestrator:
             await self.side.stop()
         if self.poller is not None:
             await self.poller.stop()
+        if self.kv_feeds is not None:
+            await self.kv_feeds.stop(SHUTDOWN_TIMEOUT_S)
         if self.fleet is not None:
             await self.fleet.stop()
         await self.tasks.close(SHUTDOWN_TIMEOUT_S)
@@ -144,7 +162,9 @@ class Orchestrator:
             p = self.topology.pool(role)
             info = {"router": self.topology.pool_router(role), "min_instances": p.min_instances,
                     "max_instances": p.max_instances, "ready": len(pool.ready()),
-                    "in_flight": sum(s.in_flight for s in pool.servers), "servers": [s.status() for s in pool.servers]}
+                    "in_flight": sum(s.in_flight for s in pool.servers),
+                    "servers": [self._server_status(s) for s in pool.servers],
+                    "kv_hits": self.selfcheck.pools[role].as_dict()}
             if self.fleet is not None:
                 info.update(self.fleet.pool_status(role))
             pools[role] = info
@@ -153,6 +173,10 @@ class Orchestrator:
         if isinstance(self.side, OwnerSide):
             out["processes"] = self.side.status()
         return out
+
+    def _server_status(self, server) -> dict:
+        index = self.kv_indexes.find(server.url) if self.kv_feeds is not None else None
+        return {**server.status(), "kv_index": index.status() if index is not None else None}
 
 
 def make_backend(topology: Topology, config_path: str | Path | None) -> Backend | None:
