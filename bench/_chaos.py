@@ -115,6 +115,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, out: Outc
             for choice in event.get("choices", []):
                 out.text += choice.get("delta", {}).get("content") or ""
                 out.finish = choice.get("finish_reason") or out.finish
+    if out.finish is None and out.error is None:
+        out.error = "the stream ended without a finish reason"
 
 
 async def one_request(client: httpx.AsyncClient, load: ChaosLoad, i: int) -> Outcome:
@@ -237,11 +239,11 @@ async def run_chaos(load: ChaosLoad, records: list[KillRecord], watch_s: float, 
 
 def tally(outcomes: list[Outcome], refs: list[str]) -> dict:
     """Counts: requests, completed, identical (completed and text == the reference), failed
-    (ended with an error), hung; plus the slowest request in seconds and a few error messages."""
+    (ended otherwise: an error, or no finish reason), hung (completed + failed + hung = requests); plus the slowest request in seconds and a few error messages."""
     identical = sum(o.completed and o.text == refs[o.prompt] for o in outcomes)
     errors = sorted({o.error for o in outcomes if o.error})
     return {"requests": len(outcomes), "completed": sum(o.completed for o in outcomes), "identical": identical,
-            "failed": sum(o.error is not None for o in outcomes), "hung": sum(o.hung for o in outcomes),
+            "failed": sum(not o.completed and not o.hung for o in outcomes), "hung": sum(o.hung for o in outcomes),
             "slowest_s": max((o.elapsed_s for o in outcomes), default=0.0), "errors": errors[:5]}
 
 
