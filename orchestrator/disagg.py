@@ -151,9 +151,11 @@ class DisaggFlow:
         return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx)
 
     async def generation_phase(self, ex: Exchange, hint: RouteHint | None, ctx_server: Server, answer: dict,
-                               failed_ctx: set[str], exclude: set[str] | None = None) -> Response:
-        """The gen phase of a parked ctx ``answer`` (on gen servers not in ``exclude``); the lease is
-        released on any way out but a response. Raises KVSourceFailed, OrchestratorError, UpstreamRejected."""
+                               failed_ctx: set[str], exclude: set[str] | None = None,
+                               failures: list[str] | None = None) -> Response:
+        """The gen phase of a parked ctx ``answer`` (on gen servers not in ``exclude``, after the attempts
+        ``failures`` describe); the lease is released on any way out but a response.
+        Raises KVSourceFailed, OrchestratorError, UpstreamRejected."""
         params = answer["choices"][0]["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
         gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
@@ -164,11 +166,11 @@ class DisaggFlow:
             if ex.stream:
                 _, response = await self._with_retries(
                     "gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lambda: self.release_soon(lease, ex)),
-                    hint, exclude)
+                    hint, exclude, failures)
                 self._metrics.kv_handoff.observe(time.monotonic() - t_ctx)
             else:
                 _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
-                                                       exclude)
+                                                       exclude, failures)
             self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
             handed_over = True
             return response
@@ -197,16 +199,18 @@ class DisaggFlow:
                                         ex.request_id), name=f"release-{lease.ctx_request_id}")
 
     async def _with_retries(self, role: Role, attempt: Callable[[Server], Awaitable[T]],
-                            hint: RouteHint | None = None, exclude: set[str] | None = None) -> tuple[Server, T]:
-        """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``.
+                            hint: RouteHint | None = None, exclude: set[str] | None = None,
+                            failures: list[str] | None = None) -> tuple[Server, T]:
+        """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``
+        (``failures``: attempts that already failed elsewhere, named in the error and counted).
 
         Raises:
             OrchestratorError: 503 naming every failed attempt, or that no server was ready.
             UpstreamRejected: a server answered 4xx (relayed, not retried).
         """
         tried: set[str] = set(exclude or ())
-        failures: list[str] = []
-        for n in range(1 + self._settings.max_retries):
+        failures = list(failures or ())
+        for n in range(len(failures), 1 + self._settings.max_retries):
             server = self._routers[role].pick(self._pools.pool(role), tried, hint)
             if server is None:
                 break

@@ -132,13 +132,14 @@ class GenerationFirstFlow(DisaggFlow):
             server.mark_unhealthy(str(err))
         self._metrics.errors.labels(kind="gen_attempt").inc()
         log.warning("generation phase (generation_first) on %s failed: %s", server.url, err)
-        if err.error_type == WAIT_TIMEOUT:
+        if err.error_type == WAIT_TIMEOUT:  # the ctx server freed it too; releasing again is harmless
+            self.release_soon(gen.lease, ex)
             raise OrchestratorError(504, f"generation phase on {server.url} failed: {err}", kind="gen_failed",
                                     type_="timeout") from None
         if err.error_type == KV_SOURCE_FAILED:
             self.release_soon(gen.lease, ex)
             failed_ctx.add(ctx_server.url)
             raise KVSourceFailed(f"{server.name} {server.url}: {err}") from None
-        self._metrics.retries.labels(pool="gen").inc()
-        return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx, exclude={server.url})
+        return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx, exclude={server.url},
+                                           failures=[f"{server.name} {server.url}: {err}"])
 
