@@ -163,7 +163,7 @@ class CtxKVRole(WorkerRole):
         if leases is None:
             return sent
         return {"kv_endpoint": self.endpoint if self.servers else None, "parked_leases": len(leases),
-                "lease_waits": self.waits.num_waiting(),
+                "lease_waits": self.waits.num_waiting(), "lease_waits_answered": self.waits.answered,
                 "leases_expired": leases.expired_total, "leases_released": leases.released_total, **sent}
 
     def stop(self) -> None:

@@ -38,6 +38,7 @@ class LeaseWaits:
         self._outcomes: OrderedDict[str, tuple[float, LeaseWaitAnswer]] = OrderedDict()  # in expiry order
         self._request_of: dict[str, str] = {}  # disagg id -> engine request id of its context phase
         self._disagg_of: dict[str, str] = {}   # the reverse
+        self.answered = 0                      # waits answered with an outcome (a counter)
 
     # ---- the context phase ----------------------------------------------------------------
     def bind(self, disagg_request_id: str, request_id: str) -> None:
@@ -61,6 +62,7 @@ class LeaseWaits:
         """Answer every wait for ``disagg_request_id`` and keep ``answer`` for later ones."""
         self._prune()
         for _, reply in self._waiters.pop(disagg_request_id, {}).values():
+            self.answered += 1
             reply(answer)
         self._outcomes.pop(disagg_request_id, None)
         self._outcomes[disagg_request_id] = (self._clock() + self.keep_s, answer)
@@ -79,6 +81,7 @@ class LeaseWaits:
         self._prune()
         known = self.outcome(disagg_request_id)
         if known is not None:
+            self.answered += 1
             reply(known)
             return
         drop_at = self._clock() + MAX_WAIT_MS / 1000.0 + WAITER_GRACE_S
