@@ -6,9 +6,11 @@ directly, through the pdserve orchestrator, and through sglang-router in PD mode
 Two fake workers A and B answer at once (no model). Paths:
 
 - **direct**: client → B (one plain streamed completion).
-- **pdserve**: client → orchestrator → A (``context_only``, JSON answer) then → B
-  (``generation_only``, streamed and relayed): two upstream calls in sequence, as every
-  disaggregated request makes.
+- **pdserve** (``schedule_style: context_first``): client → orchestrator → A (``context_only``,
+  JSON answer) then → B (``generation_only``, streamed and relayed): two upstream calls in sequence.
+- **pdserve gen-first** (``schedule_style: generation_first``): client → orchestrator → A and B at
+  once; B really waits: it asks A's ``/disagg/lease`` and streams once A has answered the
+  ``context_only`` request. One round trip on the orchestrator's critical path, one B → A hop.
 - **sglang-router** (``--pd-disaggregation``, prefill A, decode B): one request sent to A
   *and* B at once with ``bootstrap_host/port/room`` added; the client gets B's stream. (In SGLang
   the KV handoff then runs worker to worker; here nothing moves.)
@@ -60,18 +62,18 @@ def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
     procs.wait_http("worker_b", b_url + "/health", 30)
     urls = {"direct": b_url}
     procs.worker_urls = {"worker_a": a_url, "worker_b": b_url}
-    for router in a.pdserve_routers.split(","):
+    for router, style in [(r, st) for st in a.styles.split(",") for r in a.pdserve_routers.split(",")]:
         port = free_port()
-        topo = RESULTS / "overhead" / f"pdserve-{router}.yaml"
+        topo = RESULTS / "overhead" / f"pdserve-{router}-{style}.yaml"
         topo.parent.mkdir(parents=True, exist_ok=True)
         topo.write_text(yaml.safe_dump({
             "model": {"path": str(tok_dir), "name": "fake-model"},
             "orchestrator": {"host": "127.0.0.1", "port": port, "router": router, "health_interval_s": 1.0,
-                             "max_inflight_requests": 4096},
+                             "max_inflight_requests": 4096, "schedule_style": style},
             "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
                       "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}},
         }, sort_keys=False))
-        name = f"pdserve {router}"
+        name = f"pdserve {router}" + (" gen-first" if style == "generation_first" else "")
         procs.start(name, [PY, "-m", "orchestrator", "--config", str(topo), "--log-level", "warning"], cores="1")
         urls[name] = f"http://127.0.0.1:{port}"
         procs.wait_http(name, urls[name] + "/health", 60)
@@ -140,6 +142,8 @@ def main() -> int:
     p.add_argument("--conc", type=int, default=32)
     p.add_argument("--pdserve-routers", default="round_robin,kv_cache_aware",
                    help="one pdserve orchestrator per policy (comma-separated)")
+    p.add_argument("--styles", default="context_first,generation_first",
+                   help="orchestrator.schedule_style values, one orchestrator per router and style (comma-separated)")
     p.add_argument("--wrk-seconds", type=int, default=8)
     p.add_argument("--wrk-threads", type=int, default=1)
     a = p.parse_args()
@@ -219,6 +223,10 @@ What each router does per request (be fair when reading the numbers):
   answer, then POSTs the generation phase to B and relays its SSE stream. Two upstream round
   trips in sequence — the cost of `context_first`. `kv_cache_aware` also tokenizes the prompt
   and hashes its blocks at the orchestrator.
+- **pdserve … gen-first** (`schedule_style: generation_first`): POSTs the context phase to A and
+  the generation phase to B at once and relays B's stream; B (the fake) really waits — it POSTs
+  A's `/disagg/lease` and streams only once A has answered that request's context phase (one
+  B → A round trip, on core 0 with the workers, through httpx as in the real gen server).
 - **sglang-router** (Rust, `--pd-disaggregation`): sends the request to A and B *at once* with
   `bootstrap_*` fields and relays B's stream; the prefill→decode handoff is the workers' business
   (over the bootstrap server), so the router's own critical path has one round trip.
