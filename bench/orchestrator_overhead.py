@@ -144,6 +144,8 @@ def main() -> int:
                    help="one pdserve orchestrator per policy (comma-separated)")
     p.add_argument("--styles", default="context_first,generation_first",
                    help="orchestrator.schedule_style values, one orchestrator per router and style (comma-separated)")
+    p.add_argument("--section", default="overhead",
+                   help="the docs/benchmarks.md section (and figure orchestrator_<section>.png) to write")
     p.add_argument("--wrk-seconds", type=int, default=8)
     p.add_argument("--wrk-threads", type=int, default=1)
     a = p.parse_args()
@@ -194,13 +196,14 @@ def main() -> int:
                      " / ".join(f"{m['request_throughput']:.0f}" for m in wrk[name])])
     table = md_table(["path", "TTFT p50 ms", "TTFT p99 ms", "added TTFT p50", "added TTFT p99", "added E2EL p50",
                       "added E2EL p99", "max req/s (python)", "max req/s (wrk)", "wrk runs"], rows)
-    plot(summary, FIGURES / "orchestrator_overhead.png")
+    figure = f"orchestrator_{a.section.replace('-', '_')}.png"
+    plot(summary, FIGURES / figure)
     direct_rps = summary["direct"][2]
     parts = [f"{n} adds {v[0]:+.1f} ms to TTFT at p50 ({v[1]:+.1f} ms at p99) and tops out at {v[2]:.0f} req/s "
              f"with wrk ({v[2] / direct_rps:.2f}× direct)" for n, v in summary.items() if n != "direct"]
     reading = ("**Reading:** " + "; ".join(parts) + f". Direct tops out at {direct_rps:.0f} req/s with wrk: the "
                "ceiling of this setup (wrk and both fake workers share core 0), so a router near that number is "
-               "not the bottleneck here.")
+               "not the bottleneck here." + styles_reading(summary))
     cmd = " ".join(["python bench/orchestrator_overhead.py"] + sys.argv[1:])
     body = f"""## Orchestrator overhead: direct vs pdserve orchestrator vs sglang-router (PD mode)
 
@@ -226,7 +229,8 @@ What each router does per request (be fair when reading the numbers):
 - **pdserve … gen-first** (`schedule_style: generation_first`): POSTs the context phase to A and
   the generation phase to B at once and relays B's stream; B (the fake) really waits — it POSTs
   A's `/disagg/lease` and streams only once A has answered that request's context phase (one
-  B → A round trip, on core 0 with the workers, through httpx as in the real gen server).
+  B → A round trip, on core 0 with the workers, through the orchestrator's pooled HTTP/1.1 client; the
+  real gen server uses httpx).
 - **sglang-router** (Rust, `--pd-disaggregation`): sends the request to A and B *at once* with
   `bootstrap_*` fields and relays B's stream; the prefill→decode handoff is the workers' business
   (over the bootstrap server), so the router's own critical path has one round trip.
@@ -234,13 +238,24 @@ What each router does per request (be fair when reading the numbers):
 
 {table}
 
-![orchestrator overhead](figures/orchestrator_overhead.png)
+![orchestrator overhead](figures/{figure})
 
 {reading}
 """
-    update_section("overhead", body)
+    update_section(a.section, body)
     print(table)
     return 0
+
+
+def styles_reading(summary: dict) -> str:
+    """One sentence per router measured in both schedule styles (same run): generation_first vs context_first."""
+    out = []
+    for name, (t50, _, rps) in summary.items():
+        base = summary.get(name.removesuffix(" gen-first")) if name.endswith(" gen-first") else None
+        if base is not None:
+            out.append(f"{name}: added TTFT p50 {t50:+.2f} ms vs {base[0]:+.2f} ms for context_first, "
+                       f"{rps:.0f} vs {base[2]:.0f} req/s with wrk ({rps / base[2]:.2f}×)")
+    return (" Schedule styles, same run: " + "; ".join(out) + ".") if out else ""
 
 
 def plot(summary: dict, path: Path) -> None:
