@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-import httpx
 
 from pdserve.protocol import SSE_DONE, error_body, sse_event
 
@@ -118,6 +117,8 @@ def _ctx_answer(rec: Record, chat: bool, body: dict) -> tuple[JSONResponse, dict
 
 async def _wait_ctx(beh: Behavior, rec: Record, dp: dict) -> JSONResponse | None:
     """generation_first: wait on the ctx server named in ``dp``; None when it parked, else the error answer."""
+    import httpx  # here, not at the top: the launcher tests time how fast a fake process starts
+
     wait = {"disagg_request_id": dp["disagg_request_id"], "wait_ms": beh.ctx_wait_ms}
     async with httpx.AsyncClient(timeout=beh.ctx_wait_ms / 1000 + 5, trust_env=False) as client:
         answer = (await client.post(dp["ctx_url"] + "/disagg/lease", json=wait)).json()
