@@ -7,6 +7,12 @@
   ``[4, --max-input-len]`` and ``[1, --max-output-len]``.
 - ``prefix``: ``--num-prefixes`` shared system prefixes of ``--prefix-len`` tokens, each request
   one of them (round robin) followed by its own random suffix of ``--input-len`` tokens.
+- ``system-prompt``: the same lengths as ``prefix`` (``--num-prefixes`` shared prompts of
+  ``--prefix-len`` tokens, each request one of them followed by its own ``--input-len`` tokens),
+  shaped like chat traffic: on the chat endpoint the shared part is the system message and the
+  rest the user message (with ids, or on completions, the two are concatenated). The issue-10
+  experiment: ``--prefix-len 1800 --input-len 200 --num-prefixes 1``, 2,000-token prompts sharing
+  their first 1,800 tokens.
 - ``mixed``: a fraction ``--long-fraction`` of long prompts (``--long-input-len`` in,
   ``--long-output-len`` out) among short ones (``--input-len`` in, ``--output-len`` out), shuffled:
   long prefills land while short requests decode (the interference case of disaggregation).
@@ -22,7 +28,7 @@ import math
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("random", "sharegpt", "prefix", "mixed")
+WORKLOADS = ("random", "sharegpt", "prefix", "system-prompt", "mixed")
 # Ordinary English words that GPT-2 style BPE vocabularies keep as one token (with a leading space).
 WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be or "
          "has had not but first one their its new after who they have her she two been other when there "
@@ -33,9 +39,12 @@ LOW_TOKEN_ID = 256  # skip byte-level and special ids at the bottom of the vocab
 
 @dataclass
 class Sample:
+    """One request: ``prompt`` (completions), ``messages`` (chat; None = one user message of ``prompt``)."""
+
     prompt: list[int] | str
     prompt_len: int   # planned (exact for ids, approximate for text)
     output_len: int
+    messages: list[dict] | None = None
 
 
 @dataclass
@@ -68,6 +77,8 @@ class WorkloadSpec:
                 raise ValueError(f"{key} must be >= 1")
         if self.prefix_len < 0:
             raise ValueError("prefix_len must be >= 0")
+        if self.name == "system-prompt" and self.prefix_len < 1:
+            raise ValueError("prefix_len must be >= 1 for the system-prompt workload")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError("range_ratio must be in [0, 1)")
         if not 0.0 <= self.long_fraction <= 1.0:
@@ -93,6 +104,12 @@ def _lognormal_len(rng: random.Random, median: int, sigma: float, lo: int, hi: i
     return int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
 
 
+def _system_chat(system: str, prompt: str) -> list[dict]:
+    """Chat messages of a ``system-prompt`` sample: the shared prefix as the system message."""
+    user = prompt[len(system):].lstrip() if system else prompt
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
 def make_workload(spec: WorkloadSpec) -> list[Sample]:
     """``spec.num_prompts`` samples, reproducible from ``spec.seed``. Raises ValueError."""
     spec.check()
@@ -115,12 +132,15 @@ def make_workload(spec: WorkloadSpec) -> list[Sample]:
             n_in = _lognormal_len(rng, spec.input_len, 1.0, 4, spec.max_input_len)
             n_out = _lognormal_len(rng, spec.output_len, 0.8, 1, spec.max_output_len)
             samples.append(Sample(prompt(n_in), n_in, n_out))
-    elif spec.name == "prefix":
+    elif spec.name in ("prefix", "system-prompt"):
         prefixes = [prompt(spec.prefix_len) for _ in range(spec.num_prefixes)]
         for i in range(spec.num_prompts):
             n_in = _ranged(rng, spec.input_len, spec.range_ratio)
-            samples.append(Sample(prompt(n_in, prefixes[i % spec.num_prefixes]), spec.prefix_len + n_in,
-                                  _ranged(rng, spec.output_len, spec.range_ratio)))
+            shared = prefixes[i % spec.num_prefixes]
+            sample = Sample(prompt(n_in, shared), spec.prefix_len + n_in, _ranged(rng, spec.output_len, spec.range_ratio))
+            if spec.name == "system-prompt" and spec.prompt_format == "text":
+                sample.messages = _system_chat(shared, sample.prompt)
+            samples.append(sample)
     else:  # mixed
         n_long = round(spec.num_prompts * spec.long_fraction)
         kinds = [True] * n_long + [False] * (spec.num_prompts - n_long)
