@@ -6,7 +6,10 @@
   output lengths (long right tail, median ``--input-len`` / ``--output-len``), clipped to
   ``[4, --max-input-len]`` and ``[1, --max-output-len]``.
 - ``prefix``: ``--num-prefixes`` shared system prefixes of ``--prefix-len`` tokens, each request
-  one of them (round robin) followed by its own random suffix of ``--input-len`` tokens.
+  one of them followed by its own random suffix of ``--input-len`` tokens. ``--prefix-order
+  cycle`` takes them round robin (0, 1, 2, …); ``shuffle`` takes each round of ``--num-prefixes``
+  requests in a seeded random order (every prefix once per round: the order a round-robin router
+  must not partition by accident).
 - ``system-prompt``: the same lengths as ``prefix`` (``--num-prefixes`` shared prompts of
   ``--prefix-len`` tokens, each request one of them followed by its own ``--input-len`` tokens),
   shaped like chat traffic: on the chat endpoint the shared part is the system message and the
@@ -34,6 +37,7 @@ WORDS = ("the of and to in is was for on that with as by at from his it an were 
          "has had not but first one their its new after who they have her she two been other when there "
          "all during into school time may years more most only over city some world would where later "
          "up such used many can state about national out known university united then made").split()
+PREFIX_ORDERS = ("cycle", "shuffle")
 LOW_TOKEN_ID = 256  # skip byte-level and special ids at the bottom of the vocabulary
 
 
@@ -62,6 +66,7 @@ class WorkloadSpec:
     long_input_len: int = 1024
     long_output_len: int = 8
     prompt_format: str = "ids"   # "ids" or "text"
+    prefix_order: str = "cycle"  # "cycle" or "shuffle" (prefix, system-prompt)
     vocab_size: int = 32000
     seed: int = 0
 
@@ -71,6 +76,8 @@ class WorkloadSpec:
             raise ValueError(f"unknown workload {self.name!r}; choose from {', '.join(WORKLOADS)}")
         if self.prompt_format not in ("ids", "text"):
             raise ValueError("prompt_format must be 'ids' or 'text'")
+        if self.prefix_order not in PREFIX_ORDERS:
+            raise ValueError(f"prefix_order must be one of {', '.join(PREFIX_ORDERS)}")
         for key in ("num_prompts", "input_len", "output_len", "max_input_len", "max_output_len", "num_prefixes",
                     "long_input_len", "long_output_len"):
             if getattr(self, key) < 1:
@@ -104,6 +111,17 @@ def _lognormal_len(rng: random.Random, median: int, sigma: float, lo: int, hi: i
     return int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
 
 
+def _prefix_sequence(rng: random.Random, spec: WorkloadSpec) -> list[int]:
+    """Which prefix each of the ``num_prompts`` requests uses (see ``prefix_order``)."""
+    order: list[int] = []
+    while len(order) < spec.num_prompts:
+        round_ = list(range(spec.num_prefixes))
+        if spec.prefix_order == "shuffle":
+            rng.shuffle(round_)
+        order += round_
+    return order[:spec.num_prompts]
+
+
 def _system_chat(system: str, prompt: str) -> list[dict]:
     """Chat messages of a ``system-prompt`` sample: the shared prefix as the system message."""
     user = prompt[len(system):].lstrip() if system else prompt
@@ -134,9 +152,9 @@ def make_workload(spec: WorkloadSpec) -> list[Sample]:
             samples.append(Sample(prompt(n_in), n_in, n_out))
     elif spec.name in ("prefix", "system-prompt"):
         prefixes = [prompt(spec.prefix_len) for _ in range(spec.num_prefixes)]
-        for i in range(spec.num_prompts):
+        for i in _prefix_sequence(rng, spec):
             n_in = _ranged(rng, spec.input_len, spec.range_ratio)
-            shared = prefixes[i % spec.num_prefixes]
+            shared = prefixes[i]
             sample = Sample(prompt(n_in, shared), spec.prefix_len + n_in, _ranged(rng, spec.output_len, spec.range_ratio))
             if spec.name == "system-prompt" and spec.prompt_format == "text":
                 sample.messages = _system_chat(shared, sample.prompt)

@@ -46,7 +46,8 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
                         num_prefixes=args.num_prefixes, max_input_len=args.max_input_len,
                         max_output_len=args.max_output_len, long_fraction=args.long_fraction,
                         long_input_len=args.long_input_len, long_output_len=args.long_output_len,
-                        prompt_format=args.prompt_format, vocab_size=args.vocab_size, seed=args.seed)
+                        prompt_format=args.prompt_format, vocab_size=args.vocab_size, seed=args.seed,
+                        prefix_order=args.prefix_order)
 
 
 def conversations_from_args(args: argparse.Namespace) -> ConversationSpec:

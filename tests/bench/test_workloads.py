@@ -44,6 +44,21 @@ def test_system_prompt_text_is_a_system_message_on_chat():
         assert len(s.messages[1]["content"].split()) == 5
 
 
+def test_shuffled_prefix_order_takes_every_prefix_once_per_round():
+    spec = WorkloadSpec(name="prefix", num_prompts=20, prefix_len=8, input_len=2, num_prefixes=4,
+                        prefix_order="shuffle", seed=3)
+    samples = make_workload(spec)
+    heads = [tuple(s.prompt[:8]) for s in samples]
+    index = {h: i for i, h in enumerate(dict.fromkeys(heads))}
+    order = [index[h] for h in heads]
+    assert len(index) == 4
+    for r in range(5):
+        assert sorted(order[4 * r:4 * r + 4]) == [0, 1, 2, 3]
+    assert order != [i % 4 for i in range(20)]                          # not the cycle
+    cycle = make_workload(WorkloadSpec(**{**spec.__dict__, "prefix_order": "cycle"}))
+    assert [tuple(s.prompt[:8]) for s in cycle][:4] == list(dict.fromkeys(tuple(s.prompt[:8]) for s in cycle))
+
+
 def test_system_prompt_needs_a_prefix():
     with pytest.raises(ValueError, match="prefix_len"):
         make_workload(WorkloadSpec(name="system-prompt", prefix_len=0))
