@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 import uuid
@@ -88,7 +89,7 @@ def run_on_off(urls: dict[str, str], argv, a: argparse.Namespace, name: str) -> 
 
 
 def head(t0: float, load0: float, title: str, a: argparse.Namespace) -> str:
-    cmd = " ".join(["python bench/prefix_cache.py"] + sys.argv[1:])
+    cmd = shlex.join(["python", "bench/prefix_cache.py"] + sys.argv[1:])
     flags = "avx512_bf16" if "avx512_bf16" in Path("/proc/cpuinfo").read_text() else "no avx512_bf16 (bf16 emulated)"
     return (f"## {title}\n\nCommand (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`\n\n{conditions(load0)} "
             f"CPU flags: {flags}; engine dtype `{a.dtype}`.\n")

@@ -70,8 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--range-ratio", type=float, default=0.0, help="random/prefix: lengths in [n(1-r), n(1+r)]")
     g.add_argument("--max-input-len", type=int, default=1024, help="sharegpt: clip prompt lengths")
     g.add_argument("--max-output-len", type=int, default=512, help="sharegpt: clip output lengths")
-    g.add_argument("--prefix-len", type=int, default=256, help="prefix: shared prefix tokens")
-    g.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct shared prefixes")
+    g.add_argument("--prefix-len", type=int, default=256, help="prefix/system-prompt: shared prefix tokens")
+    g.add_argument("--num-prefixes", type=int, default=4, help="prefix/system-prompt: distinct shared prefixes")
     g.add_argument("--prefix-order", choices=("cycle", "shuffle"), default="cycle",
                    help="prefix/system-prompt: prefixes round robin, or each round in a seeded random order")
     g.add_argument("--num-conversations", type=int, default=8, help="multiturn: conversations")

@@ -17,7 +17,7 @@ import httpx
 from .client import RequestOptions, send_request
 from .conversations import Conversation, turn_sample
 from .metrics import RequestRecord
-from .runner import RunSettings, _progress, cut_message, dispatch
+from .runner import RunSettings, cut_message, dispatch, progress_bar
 
 EARLIER_TURN_FAILED = "an earlier turn of this conversation failed"
 
@@ -52,7 +52,7 @@ async def run_conversations(client: httpx.AsyncClient, convs: list[Conversation]
             await run_conversation(client, conv, opts, done[i])
         return run
 
-    bar = _progress(len(convs), settings.progress, desc)
+    bar = progress_bar(len(convs), settings.progress, desc)
     duration = await dispatch([job(i, c) for i, c in enumerate(convs)], settings, bar)
     cut = cut_message(settings)
     return [_complete(c, recs, cut) for c, recs in zip(convs, done)], duration

@@ -48,7 +48,8 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, theta) for _ in range(n)]
 
 
-def _progress(total: int, enabled: bool, desc: str):
+def progress_bar(total: int, enabled: bool, desc: str):
+    """A tqdm bar on stderr, or None (disabled, or tqdm not installed)."""
     if not enabled:
         return None
     try:
@@ -117,6 +118,7 @@ async def dispatch(jobs: list[Callable[[], Awaitable[None]]], settings: RunSetti
 
 
 def cut_message(settings: RunSettings) -> str:
+    """The error of a request the run's ``max_duration_s`` cut or never started."""
     return f"not finished within --max-duration {settings.max_duration_s:g} s"
 
 
@@ -130,7 +132,7 @@ async def run_load(client: httpx.AsyncClient, samples: list[Sample], opts: Reque
             records[i] = await send_request(client, s, opts)
         return run
 
-    bar = _progress(len(samples), settings.progress, desc)
+    bar = progress_bar(len(samples), settings.progress, desc)
     duration = await dispatch([job(i, s) for i, s in enumerate(samples)], settings, bar)
     out = [r if r is not None else RequestRecord(ok=False, error=cut_message(settings), prompt_tokens=s.prompt_len)
            for r, s in zip(records, samples)]
