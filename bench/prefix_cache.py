@@ -229,7 +229,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cap-prefix-len", type=int, default=256)
     p.add_argument("--cap-suffix-len", type=int, default=32)
     p.add_argument("--cap-rounds", type=int, default=6)
-    p.add_argument("--router-note", default="orchestrator/router.py as of this run (see docs/architecture.md)",
+    p.add_argument("--router-note", default="kv_cache_aware on the blocks each ctx server reports holding (its KV events)",
                    help="what the kv_cache_aware router routes on, for the doc")
     a = p.parse_args()
     a.experiments = [e for e in a.experiments.split(",") if e]
