@@ -144,7 +144,13 @@ async def run_load(load: ChaosLoad) -> list[Outcome]:
         t0 = time.monotonic()
 
         async def gated(i: int) -> Outcome | None:
-            await asyncio.sleep(i * load.interval_s)
+            delay = t0 + i * load.interval_s - time.monotonic()
+            if delay > 0:  # wait for this request's start, or for the stop (then it never starts)
+                try:
+                    await asyncio.wait_for(load.stop.wait(), delay)
+                    return None
+                except asyncio.TimeoutError:
+                    pass
             async with sem:
                 if load.stop.is_set():
                     return None
