@@ -103,9 +103,17 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
-        included), ``total_blocks``, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
+        included), ``total_blocks``, :meth:`memory_stats`, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
-                **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
+                **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
+
+    def memory_stats(self) -> dict[str, int]:
+        """``kv_cache_bytes`` (this rank's cache) and, on CUDA, ``device_memory_used_bytes`` (what
+        torch's allocator holds on the device: weights, KV cache, live activations; no host sync)."""
+        out = {"kv_cache_bytes": self.kv_cache.nbytes}
+        if self.kv_cache.is_cuda:
+            out["device_memory_used_bytes"] = int(torch.cuda.memory_allocated(self.kv_cache.device))
+        return out
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash; returns how many unreferenced cached blocks were freed."""
