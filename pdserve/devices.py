@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DEVICE_PATTERN", "check_device_setting", "resolve_device", "is_cuda", "visible_cuda_devices"]
+__all__ = ["DEVICE_PATTERN", "check_device_setting", "resolve_device", "is_cuda", "visible_cuda_devices",
+           "tp_rank_device", "tp_backend"]
 
 # auto | cpu | cuda | cuda:N (the config schema's pattern and this module's parser agree)
 DEVICE_PATTERN = r"^(auto|cpu|cuda|cuda:[0-9]+)$"
@@ -63,3 +64,16 @@ def visible_cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def tp_rank_device(device: str, rank: int) -> str:
+    """The device of TP rank ``rank`` of a server on ``device``: ``cpu`` stays ``cpu``; ``cuda:N``
+    gives rank r ``cuda:N+r`` (one GPU per rank: NCCL refuses two ranks on one GPU)."""
+    if not is_cuda(device):
+        return device
+    return f"cuda:{int(device.split(':')[1]) + rank}"
+
+
+def tp_backend(device: str) -> str:
+    """The torch.distributed backend of a TP group on ``device``: ``nccl`` on CUDA, else ``gloo``."""
+    return "nccl" if is_cuda(device) else "gloo"

@@ -48,3 +48,11 @@ def test_server_resolves_device_before_dtype():
     assert (on_cpu.engine.device, on_cpu.engine.dtype) == ("cpu", "float32")
     with pytest.raises(ValueError, match="needs CUDA device 0"):
         resolve_dtype_once(_server(device="cuda"), frozenset(), num_cuda_devices=0)
+
+
+def test_tp_ranks_get_one_gpu_each_and_nccl():
+    from pdserve.devices import tp_backend, tp_rank_device
+
+    assert [tp_rank_device("cuda:1", r) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:3"]
+    assert tp_rank_device("cpu", 2) == "cpu"
+    assert (tp_backend("cuda:0"), tp_backend("cpu")) == ("nccl", "gloo")
