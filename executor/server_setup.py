@@ -70,7 +70,8 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
     from executor.kv_event_routes import kv_event_router
     from kv_transfer.factory import resolve_backend
 
-    backend = resolve_backend(cfg.kv_transfer.backend)
+    # a CUDA KV cache is always served over CUDA IPC (kv_transfer.factory.make_kv_server)
+    backend = "cudaipc" if cfg.engine.device != "cpu" else resolve_backend(cfg.kv_transfer.backend)
     metrics = ServerMetrics(cfg.role, backend)
     metrics.role_stats = RoleStatsCollector(client.stats)
     metrics.registry.register(metrics.role_stats)
