@@ -6,13 +6,22 @@
 2. If the ctx answer is already final (``finish_reason`` set), it is the client's answer
    (converted to SSE when the client streams).
 3. Generation phase: POST the client body with the ctx's params as ``generation_only``. Retried on
-   another gen server while nothing has reached the client (the lease still holds); the answer or
-   stream goes to the client as is. If the phase is abandoned, the ctx lease is released.
+   another gen server before its first byte (its KV pull is not confirmed: the lease still holds).
+   If the phase is abandoned, the ctx lease is released.
+   * A streaming client gets the ctx server's first token at once, then the gen stream merged
+     into it (:mod:`orchestrator.relay`, :mod:`orchestrator.progress`: no text twice or missing).
+   * With ``orchestrator.migration_limit`` > 0 a non-streaming request is streamed internally too,
+     and a gen server that dies mid-decode is replaced (:mod:`orchestrator.migration`).
+   * With ``migration_limit`` 0 a non-streaming gen answer is relayed as the server wrote it.
+
+A body without ``seed`` gets one here (63 random bits), so the ctx server, the gen server and a
+migration target sample with the same seed (the engine would otherwise draw one per server).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,7 +36,9 @@ from .errors import OrchestratorError
 from .h1client import H1Client
 from .metrics import Metrics
 from .pools import ClusterPools, Server
-from .relay import StreamRelay
+from .migration import GenPhase
+from .progress import Progress
+from .relay import GenRelay, GenStream, StreamAnswer
 from .prompt_tokens import PromptTokenizer
 from .responses import EventStream, JSONAnswer, iterate
 from .router import RouteHint, Router, block_hashes
@@ -35,7 +46,7 @@ from .sse import answer_to_events
 from .tasks import TaskOwner
 from .upstream import AttemptFailed, open_stream, post_json_raw, release_lease
 
-Response = JSONAnswer | EventStream | StreamRelay
+Response = JSONAnswer | EventStream | StreamAnswer
 
 log = logging.getLogger("orchestrator.disagg")
 
@@ -117,6 +128,8 @@ class DisaggFlow:
         if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
             raise OrchestratorError(503, f"no ready gen server ({self._pools.not_ready_reason()})",
                                     kind="gen_failed", type_="service_unavailable")
+        if ex.body.get("seed") is None:  # one seed for every server the request meets
+            ex.body = {**ex.body, "seed": secrets.randbits(63)}
         hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
@@ -146,18 +159,13 @@ class DisaggFlow:
             return self._final_from_ctx(ex, answer)
         params = choice["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
+        if ex.stream or self._settings.migration_limit:
+            return await self._relayed(ex, hint, answer, lease, failed_ctx)
         gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
             **params, "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id}})
         handed_over = False
-        t_ctx = time.monotonic()
         try:
-            if ex.stream:
-                _, response = await self._with_retries(
-                    "gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lambda: self.release_soon(lease, ex)),
-                    hint)
-                self._metrics.kv_handoff.observe(time.monotonic() - t_ctx)
-            else:
-                _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint)
+            _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint)
             self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
             handed_over = True
             return response
@@ -172,13 +180,42 @@ class DisaggFlow:
     async def _colocated(self, ex: Exchange, hint: RouteHint | None) -> Response:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
-        body = jsonio.dumps(ex.body)
-        if ex.stream:
-            _, response = await self._with_retries("gen", lambda s: self._gen_stream_attempt(ex, s, body, None), hint)
-        else:
-            _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, body), hint)
         self._metrics.routed.labels(pool="gen", path="colocated").inc()
+        if ex.stream or self._settings.migration_limit:
+            return await self._relayed(ex, hint, None, None, set())
+        body = jsonio.dumps(ex.body)
+        _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, body), hint)
         return response
+
+    async def _relayed(self, ex: Exchange, hint: RouteHint | None, answer: dict | None, lease: Lease | None,
+                       failed_ctx: set[str]) -> Response:
+        """The gen phase through :class:`GenRelay`: a stream that starts with the ctx answer's first
+        token (``answer``; None on the colocated path), or (not ``ex.stream``) the JSON answer
+        assembled from an internal stream. Raises OrchestratorError (non-stream only: a stream's
+        failures after its first byte are error events)."""
+        progress = Progress.for_body(ex.body, ex.chat)
+        first = None
+        if answer is not None:
+            first = progress.take_ctx_answer(answer)
+        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
+        migrate = self._settings.migration_limit > 0
+        source = GenPhase(self, ex, hint, progress, lease, None if answer is None else
+                          answer["choices"][0]["disaggregated_params"], failed_ctx, token_ids=migrate,
+                          want_usage=include_usage or not ex.stream)
+        relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
+                         ex.started_s + self._settings.request_timeout_s, include_usage)
+        if ex.stream:
+            head = None if first is None else b"data: " + jsonio.dumps(progress.first_chunk(first)) + b"\n\n"
+            return StreamAnswer(relay, source, head, ex.started_s, self._metrics, ex.endpoint)
+        try:
+            failure = await relay.run(None)
+        finally:
+            if not relay.finished:
+                source.abandon()
+        if failure is not None:
+            raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
+                                    type_="service_unavailable")
+        return self._json_response(ex, progress.answer())
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
@@ -245,20 +282,24 @@ class DisaggFlow:
             raise AttemptFailed("gen answer is not a JSON object")
         return self._json_response(ex, raw)  # relayed as the server wrote it
 
-    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: bytes,
-                                  on_abandon: Callable[[], None] | None) -> Response:
-        server.in_flight += 1  # handed to the relay, which drops it at close
+    async def open_gen_stream(self, ex: Exchange, server: Server, body: bytes, leased: bool) -> GenStream:
+        """POST a streaming gen request and wait for its first byte (``leased``: a generation_only
+        request, whose KV pull is then done; its time goes to the KV-transfer histogram).
+
+        Raises AttemptFailed / UpstreamRejected as :func:`orchestrator.upstream.open_stream`."""
+        server.in_flight += 1  # handed to the relay, which drops it when the stream ends
         server.served += 1
+        t0 = time.monotonic()
         try:
             stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
                                        "gen", ex.request_id)
         except BaseException:
             server.in_flight -= 1
             raise
-        relay = StreamRelay(stream, server, ex.endpoint, ex.started_s,
-                            ex.started_s + self._settings.request_timeout_s, self._metrics,
-                            on_abandon=on_abandon or (lambda: None))
-        return relay
+        if leased:
+            self._metrics.kv_handoff.observe(time.monotonic() - t0)
+            self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
+        return GenStream(server, stream)
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:
         for choice in answer.get("choices", []):

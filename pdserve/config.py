@@ -168,6 +168,8 @@ class OrchestratorSettings(StrictModel):
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a registered server that has not heartbeated for this long is dropped")
     startup_timeout_s: float = Field(180.0, gt=0, description="how long `pdserve up` waits for readiness")
     drain_timeout_s: float = Field(300.0, gt=0, description="scale-down waits this long for in-flight requests before stopping a server")
+    migration_limit: int = Field(2, ge=0, le=16, description="a stream whose gen server dies mid-decode continues on another gen server up to this many times (0 = off: the stream ends with an error event)")
+    migration_wait_s: float = Field(10.0, gt=0, description="a migration waits this long for a ready ctx and gen server")
     max_local_prefill_length: int = Field(0, ge=0, description="prompts shorter than this many tokens run colocated on a gen server (0 = off)")
     kv_aware_balance_threshold: int = Field(4, ge=0, description="kv_cache_aware: ignore prefix affinity when the best match has this many more in-flight requests than the least loaded server")
     admin_token_env: str = Field("PDSERVE_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",

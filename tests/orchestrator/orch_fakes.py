@@ -43,7 +43,7 @@ class Behavior:
     break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
-    answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
+    answer_delay_s: float = 0.0            # gen: think this long before answering (watching for a disconnect)
     kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
     max_model_len: int = 2048              # what /server_info reports
     reset_status: int = 200                # POST /reset_prefix_cache answers this
@@ -154,15 +154,15 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
             assert dp.get("request_type") == "context_only" and body["stream"] is False
             return _ctx_answer(rec, chat, body)
         assert dp.get("request_type") == "generation_only" and dp.get("ctx_request_id")
-        if body.get("stream"):
-            return _gen_stream(beh, rec, chat, body)
-        n = _max_tokens(body, chat)
         deadline = time.monotonic() + beh.answer_delay_s
         while time.monotonic() < deadline:
             if await request.is_disconnected():
                 rec.aborted_requests += 1
                 return JSONResponse({}, status_code=499)
             await asyncio.sleep(0.02)
+        if body.get("stream"):
+            return _gen_stream(beh, rec, chat, body)
+        n = _max_tokens(body, chat)
         return JSONResponse(_answer(chat, text_of(n), "length", n, None))
 
     @app.post("/v1/chat/completions")
