@@ -43,6 +43,8 @@ class Behavior:
     fail_times: int = 10**9
     health_status: int = 200
     break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
+    break_times: int = 10**9               # ... in this many streams (then stream normally)
+    dead_after_chunks: int | None = None   # gen stream: an in-band engine_dead error event after N chunks
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
     answer_delay_s: float = 0.0            # gen: think this long before answering (watching for a disconnect)
@@ -120,9 +122,16 @@ def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
     async def events():
         done = False
         try:
+            breaks = beh.break_after_chunks is not None and beh.break_times > 0
+            if breaks:
+                beh.break_times -= 1
             for i in range(n):
-                if beh.break_after_chunks is not None and i >= beh.break_after_chunks:
+                if breaks and i >= beh.break_after_chunks:
                     raise RuntimeError("injected mid-stream failure")
+                if beh.dead_after_chunks is not None and i >= beh.dead_after_chunks:
+                    yield sse_event(error_body("engine is dead: injected", "engine_dead", 503))
+                    yield SSE_DONE
+                    return
                 yield _chunk(chat, cid, TOKENS[i % len(TOKENS)], None, role=(i == 0), token_ids=[i] if with_ids else None)
                 await asyncio.sleep(beh.chunk_delay_s)
             yield _chunk(chat, cid, None if chat else "", "length")

@@ -11,7 +11,7 @@ import pytest
 
 from orch_fakes import text_of
 from orch_sse import parse_sse, stream_text
-from test_orch_flow import ENDPOINTS
+from test_orch_flow import COMPLETION, ENDPOINTS
 
 
 def stream_events(url: str, body: dict) -> tuple[list, float]:
@@ -83,3 +83,30 @@ def test_stream_migrates_off_a_gen_server_that_breaks_mid_decode(make_cluster, p
     assert len(seeds) == 1 and seeds != {"null"}  # one seed, fixed by the orchestrator, for every server
     metrics = httpx.get(c.url + "/metrics", timeout=5).text
     assert "pdserve_orchestrator_migrations_total 1.0" in metrics
+
+
+def test_an_in_band_engine_dead_event_migrates_the_stream(make_cluster):
+    c = make_cluster(n_gen=2)
+    c.gen[0].behavior.dead_after_chunks = 2
+    events, _ = stream_events(c.url + "/v1/completions", {**COMPLETION, "max_tokens": 6})
+    assert stream_text(events, chat=False) == text_of(6) and events[-1] == "[DONE]"
+    assert c.gen[1].record.bodies[0]["disaggregated_params"]["first_gen_tokens"] == [0, 1]
+
+
+def test_migration_waits_for_a_ready_gen_server(make_cluster):
+    # The only gen server breaks once and is marked unhealthy; the migration waits until the
+    # health poll finds it ready again instead of failing at once.
+    c = make_cluster(n_gen=1)
+    c.gen[0].behavior.break_after_chunks, c.gen[0].behavior.break_times = 3, 1
+    events, _ = stream_events(c.url + "/v1/completions", {**COMPLETION, "max_tokens": 6})
+    assert stream_text(events, chat=False) == text_of(6) and events[-1] == "[DONE]"
+    assert len(c.gen[0].record.bodies) == 2
+
+
+def test_migration_limit_0_ends_the_stream_with_an_error_event(make_cluster):
+    c = make_cluster(n_gen=2, migration_limit=0)
+    c.gen[0].behavior.dead_after_chunks = 2
+    events, _ = stream_events(c.url + "/v1/completions", {**COMPLETION, "max_tokens": 6})
+    assert stream_text(events, chat=False) == text_of(2)
+    assert "engine is dead" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    assert c.gen[1].record.bodies == []
