@@ -36,17 +36,18 @@ def chat_body(text: str, stream: bool, max_tokens: int = 24, **kw) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": stream, **kw}
 
 
-def run(url: str, path: str, body: dict) -> tuple[str, str | None, dict | None]:
+def run(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[str, str | None, dict | None]:
     """POST and return (text, finish_reason, usage), reading SSE when streaming."""
     chat = path.endswith("chat/completions")
     if not body.get("stream"):
-        r = httpx.post(url + path, json=body, timeout=60)
+        r = httpx.post(url + path, json=body, timeout=60, headers=headers)
         assert r.status_code == 200, r.text
         d = r.json()
         c = d["choices"][0]
         return (c["message"]["content"] if chat else c["text"]), c["finish_reason"], d["usage"]
     text, finish, usage = [], None, None
-    with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60) as r:
+    with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60,
+                      headers=headers) as r:
         assert r.status_code == 200, r.read()
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

@@ -1,5 +1,5 @@
-"""Real processes, tiny random Llama: a seeded request whose gen server process is killed mid-decode
-continues on another gen server and equals the undisturbed run token for token (stream and not)."""
+"""Real processes, tiny random Llama: seeded requests whose gen server process is killed mid-decode
+continue on another gen server and equal the undisturbed runs token for token (stream and not)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,19 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def migration_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
-    """1 ctx + 3 gen servers: each test kills one gen server's process and needs another to migrate
-    to. The gen servers run the engine in-process (``executor: inproc``): they start faster, and
-    SIGKILL of the one process leaves no rank behind."""
+    """1 ctx + 2 gen servers. The gen servers run the engine in-process (``executor: inproc``): they
+    start faster, and SIGKILL of the one process leaves no rank behind. Session affinity on a
+    header puts both requests of the test on one gen server, so one kill hits both."""
     topo = write_topology(tmp_path_factory.mktemp("topo") / "migration.yaml", str(tiny_model_dir), TINY_NAME,
-                          num_gen=3, orchestrator={"migration_limit": 2, "health_interval_s": 0.1})
+                          num_gen=2, orchestrator={"migration_limit": 2, "health_interval_s": 0.1,
+                                                   "session_affinity": "header"})
     doc = yaml.safe_load(topo.read_text())
     doc["pools"]["gen"]["engine"] = {"executor": "inproc"}
     topo.write_text(yaml.safe_dump(doc))
     return Cluster(topo, procs).start(env={"gen": {"PDSERVE_TEST_STEP_DELAY_S": STEP_DELAY_S}})
+
+
+CASES = (("/v1/completions", True), ("/v1/chat/completions", False))
 
 
 def seeded(path: str, stream: bool) -> dict:
@@ -42,16 +46,21 @@ def seeded(path: str, stream: bool) -> dict:
     return {**body, "prompt": "Once upon a time, by the sea,"}
 
 
-def busy_gen_server(cluster: Cluster, timeout_s: float = 20.0) -> str:
-    """The URL of the one gen server with a request in flight (per the orchestrator)."""
+def run_in_session(url: str, path: str, stream: bool) -> tuple:
+    """``run`` with the session header that keeps both requests on one gen server."""
+    return run(url, path, seeded(path, stream), headers={"X-Session-Id": "migrate-me"})
+
+
+def busy_gen_server(cluster: Cluster, n: int, timeout_s: float = 30.0) -> str:
+    """The URL of the gen server with ``n`` requests in flight (per the orchestrator)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         servers = httpx.get(cluster.url + "/cluster/status", timeout=5).json()["pools"]["gen"]["servers"]
-        busy = [s["url"] for s in servers if s.get("in_flight")]
-        if len(busy) == 1:
+        busy = [s["url"] for s in servers if s.get("in_flight") == n]
+        if busy:
             return busy[0]
         time.sleep(0.02)
-    raise AssertionError("no gen server took the request")
+    raise AssertionError(f"no gen server had {n} requests in flight")
 
 
 def kill_gen_server(cluster: Cluster, url: str) -> None:
@@ -69,24 +78,27 @@ def migrations(cluster: Cluster) -> float:
     return 0.0
 
 
-@pytest.mark.parametrize("path,stream", [("/v1/completions", True), ("/v1/chat/completions", False)])
-def test_killed_gen_rank_mid_decode_migrates_and_equals_the_undisturbed_run(migration_cluster, path, stream):
+def test_killed_gen_server_mid_decode_migrates_and_equals_the_undisturbed_runs(migration_cluster):
     c = migration_cluster
-    reference = run(c.url, path, seeded(path, stream))
-    assert reference[1] == "length" and reference[2]["completion_tokens"] == MAX_TOKENS
-    before = migrations(c)
-    result: list = []
-    worker = threading.Thread(target=lambda: result.append(run(c.url, path, seeded(path, stream))), daemon=True)
-    worker.start()
-    victim = busy_gen_server(c)
+    reference = {case: run(c.url, case[0], seeded(*case)) for case in CASES}
+    for ref in reference.values():
+        assert ref[1] == "length" and ref[2]["completion_tokens"] == MAX_TOKENS
+    results: dict = {}
+    workers = [threading.Thread(target=lambda case=case: results.__setitem__(case, run_in_session(c.url, *case)),
+                                daemon=True) for case in CASES]
+    for w in workers:
+        w.start()
+    victim = busy_gen_server(c, len(CASES))
     time.sleep(0.4)  # ~a dozen tokens into the decode
-    assert worker.is_alive(), "the request finished before the kill"
+    assert all(w.is_alive() for w in workers), "a request finished before the kill"
     kill_gen_server(c, victim)
-    worker.join(60)
-    assert not worker.is_alive() and result, "the migrated request did not finish"
-    assert plain(result[0]) == plain(reference)  # same text, finish reason, prompt and completion tokens
-    assert migrations(c) == before + 1
+    for w in workers:
+        w.join(60)
+    assert sorted(results) == sorted(CASES), "a migrated request did not finish"
+    for case in CASES:  # same text, finish reason, prompt and completion tokens
+        assert plain(results[case]) == plain(reference[case]), case
+    assert migrations(c) == len(CASES)
     # The target continued from the tokens generated so far (a restart from token 1 would also
     # reproduce a seeded text): the orchestrator handed it more than the ctx server's first token.
     handed = [int(m) for m in re.findall(r"migrating the request \((\d+) generated tokens", c.procs.log("orchestrator"))]
-    assert len(handed) == before + 1 and 1 < handed[-1] < MAX_TOKENS, handed
+    assert len(handed) == len(CASES) and all(1 < k < MAX_TOKENS for k in handed), handed
