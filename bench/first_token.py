@@ -32,7 +32,8 @@ TARGETS = ("ctx server", "disaggregated")
 def start(procs: Procs, dtype: str) -> dict[str, str]:
     """Start the cluster; return each target's URL."""
     cfg = RESULTS / "first_token" / "cluster.yaml"
-    doc = write_topology(cfg, engine={"dtype": dtype, "num_threads": 1})
+    # No prefix cache: both targets see the same prompts, and a hit would hide the prefill.
+    doc = write_topology(cfg, engine={"dtype": dtype, "num_threads": 1, "enable_prefix_caching": False})
     procs.start("ctx", [PY, "-m", "ctx_worker", "--config", str(cfg), "--index", "0"], cores="0")
     procs.start("gen", [PY, "-m", "gen_worker", "--config", str(cfg), "--index", "0"], cores="1")
     procs.start("orchestrator", [PY, "-m", "orchestrator", "--config", str(cfg)])
@@ -75,7 +76,8 @@ def report(raw: dict[str, list[dict]], a: argparse.Namespace, load0: float) -> s
         "## First token at once: disaggregated TTFT vs the ctx server's own (issue 13 part 2)", "",
         f"{cmd}: SmolLM2 {a.dtype}, ctx server on core 0 and gen server on core 1 (one thread each), "
         f"{a.num_prompts} random prompts of {a.input_len} tokens, {a.output_len} output tokens, "
-        f"concurrency 1, streamed; medians of {a.repeats} repeats (per-repeat p50s).", "",
+        f"concurrency 1, streamed, prefix cache off (both targets get the same prompts); medians of "
+        f"{a.repeats} repeats (per-repeat p50s).", "",
         md_table(["target", "TTFT p50 (ms)", "vs ctx server", "TPOT p50 (ms)", "E2EL p50 (ms)", "failed"], rows), "",
         "The orchestrator streams the ctx answer's first token as soon as that answer arrives (goal: "
         "≤ 1.15× the ctx server's own TTFT); the gen server's stream, which starts with the same token "

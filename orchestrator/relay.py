@@ -29,7 +29,7 @@ from .errors import OrchestratorError
 from .h1client import UpstreamError
 from .metrics import Metrics
 from .pools import Server
-from .progress import Progress
+from .progress import Attempt, Progress
 from .sse import EventSplitter, error_events
 from .upstream import OpenStream, describe
 
@@ -145,7 +145,8 @@ class GenRelay:
                 done = self.progress.finish_reason is not None
                 return self._broke(gs.server, Broken(f"generation stream from {url} ended without [DONE]", not done))
 
-    async def _event(self, payload: bytes, attempt, emit: Emit | None, url: str) -> Broken | None:
+    async def _event(self, payload: bytes, attempt: Attempt, emit: Emit | None, url: str) -> Broken | None:
+        """Merge one event into the request; a :class:`Broken` when it is an error or not JSON."""
         try:
             event = jsonio.loads(payload)
         except ValueError:
