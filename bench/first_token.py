@@ -83,6 +83,10 @@ def report(raw: dict[str, list[dict]], a: argparse.Namespace, load0: float) -> s
         "≤ 1.15× the ctx server's own TTFT); the gen server's stream, which starts with the same token "
         "after its KV pull, is merged in without repeating it. The ctx server's own E2EL runs the "
         "whole decode on core 0; the disaggregated E2EL adds the KV handoff and runs decode on core 1.", "",
+        "Per repeat (same-repeat ratio, disaggregated / ctx server TTFT p50): " + ", ".join(
+            f"{d['ttft_ms']['median']:.0f} / {c['ttft_ms']['median']:.0f} ms = "
+            f"{d['ttft_ms']['median'] / c['ttft_ms']['median']:.2f}×"
+            for c, d in zip(raw["ctx server"], raw["disaggregated"])) + ".", "",
         conditions(load0),
     ])
 

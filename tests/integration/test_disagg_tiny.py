@@ -121,6 +121,19 @@ def test_stop_string_disagg_equals_colocated(tiny_cluster):
     assert result[1] == "stop" and stop not in result[0]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_stop_string_starting_in_the_first_token_equals_colocated(tiny_cluster, path):
+    # The first token goes out at once: a tail of it that may begin a stop string must wait.
+    make = chat_body if "chat" in path else completion_body
+    base = make(PROMPTS[6], True, max_tokens=24)
+    full, _, _ = run(tiny_cluster.server_url("gen"), path, base)
+    for stop in (full[1:4], full[len(full) // 2: len(full) // 2 + 3]):
+        body = {**base, "stop": [stop]}
+        result = run(tiny_cluster.url, path, body)
+        assert plain(result) == plain(run(tiny_cluster.server_url("gen"), path, body)), stop
+        assert result[1] == "stop" and stop not in result[0]
+
+
 def server_info(url: str) -> dict:
     return httpx.get(url + "/server_info", timeout=5).json()
 
