@@ -34,6 +34,7 @@ from . import jsonio
 from .ctx_answer import parse_ctx_answer
 from .errors import OrchestratorError
 from .h1client import H1Client
+from .kv_selfcheck import HitSelfCheck, reported_hit
 from .metrics import Metrics
 from .pools import ClusterPools, Server
 from .migration import GenPhase
@@ -72,6 +73,8 @@ class Exchange:
     session: str | None = None     # session-affinity key (header or `user` field), when configured
     disagg_request_id: str = field(default_factory=lambda: f"disagg-{uuid.uuid4().hex}")
     started_s: float = field(default_factory=time.monotonic)
+    hint: RouteHint | None = None  # what the routers know about the prompt (set by DisaggFlow.handle)
+    colocated: bool = False        # runs both phases on one gen server (conditional disaggregation)
 
     @property
     def stream(self) -> bool:
@@ -100,7 +103,7 @@ class DisaggFlow:
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
                  tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
-                 dtype: str = "") -> None:
+                 dtype: str = "", selfcheck: HitSelfCheck | None = None) -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -110,6 +113,7 @@ class DisaggFlow:
         self._tokenizer = tokenizer
         self._block_size = block_size
         self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
+        self._selfcheck = selfcheck  # predicted vs reported prefix-cache hits (None: not kept)
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
         ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
@@ -130,7 +134,7 @@ class DisaggFlow:
                                     kind="gen_failed", type_="service_unavailable")
         if ex.body.get("seed") is None:  # one seed for every server the request meets
             ex.body = {**ex.body, "seed": secrets.randbits(63)}
-        hint = await self._route_hint(ex)
+        hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
@@ -179,6 +183,7 @@ class DisaggFlow:
 
     async def _colocated(self, ex: Exchange, hint: RouteHint | None) -> Response:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
+        ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
         self._metrics.routed.labels(pool="gen", path="colocated").inc()
         if ex.stream or self._settings.migration_limit:
@@ -215,7 +220,10 @@ class DisaggFlow:
         if failure is not None:
             raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
                                     type_="service_unavailable")
-        return self._json_response(ex, progress.answer())
+        answer = progress.answer()
+        if ex.colocated and relay.migrations == 0 and source.first_stream is not None:
+            self._check_hits("gen", ex, source.first_stream.predicted, answer)  # its hit is its own
+        return self._json_response(ex, answer)
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
@@ -256,7 +264,16 @@ class DisaggFlow:
             msg = f"{phase} impossible: no ready {role} server ({self._pools.not_ready_reason() or 'all tried'})"
         raise OrchestratorError(503, msg, kind=f"{role}_failed", type_="service_unavailable")
 
+    def _predict(self, server: Server, hint: RouteHint | None) -> int | None:
+        """Hit tokens the KV index predicts on ``server`` now (call before the first await: at pick time)."""
+        return None if self._selfcheck is None else self._selfcheck.predict(server.url, hint)
+
+    def _check_hits(self, role: Role, ex: Exchange, predicted: int | None, answer: object) -> None:
+        if self._selfcheck is not None:
+            self._selfcheck.record(role, ex.hint, predicted, reported_hit(answer))
+
     async def _context_attempt(self, ex: Exchange, server: Server) -> dict:
+        predicted = self._predict(server, ex.hint)
         body = {**ex.body, "stream": False,
                 "disaggregated_params": {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}}
         body.pop("stream_options", None)
@@ -268,18 +285,22 @@ class DisaggFlow:
         except ValueError:
             raise AttemptFailed("ctx answer is not JSON") from None
         check_ctx_answer(answer)
+        self._check_hits("ctx", ex, predicted, answer)
         return answer
 
     async def _gen_json_attempt(self, ex: Exchange, server: Server, body: bytes) -> Response:
+        predicted = self._predict(server, ex.hint) if ex.colocated else None
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
                                       "gen", ex.request_id)
         try:
-            ok = isinstance(jsonio.loads(raw), dict)
+            answer = jsonio.loads(raw)
         except ValueError:
-            ok = False
-        if not ok:
+            answer = None
+        if not isinstance(answer, dict):
             raise AttemptFailed("gen answer is not a JSON object")
+        if ex.colocated:  # the gen server computed the prompt: its hit is its own
+            self._check_hits("gen", ex, predicted, answer)
         return self._json_response(ex, raw)  # relayed as the server wrote it
 
     async def open_gen_stream(self, ex: Exchange, server: Server, body: bytes, leased: bool) -> GenStream:
@@ -287,6 +308,7 @@ class DisaggFlow:
         request, whose KV pull is then done; its time goes to the KV-transfer histogram).
 
         Raises AttemptFailed / UpstreamRejected as :func:`orchestrator.upstream.open_stream`."""
+        predicted = self._predict(server, ex.hint) if ex.colocated else None  # at pick time, before any await
         server.in_flight += 1  # handed to the relay, which drops it when the stream ends
         server.served += 1
         t0 = time.monotonic()
@@ -299,7 +321,7 @@ class DisaggFlow:
         if leased:
             self._metrics.kv_handoff.observe(time.monotonic() - t0)
             self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
-        return GenStream(server, stream)
+        return GenStream(server, stream, predicted)
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:
         for choice in answer.get("choices", []):

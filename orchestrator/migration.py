@@ -51,11 +51,14 @@ class GenPhase:
         self._lease, self._params = lease, params
         self._failed_ctx = failed_ctx
         self._token_ids, self._want_usage = token_ids, want_usage
+        self.first_stream: GenStream | None = None  # what first() opened
 
     async def first(self) -> GenStream:
         if self._lease is None:
-            return await self._open(self._colocated_body(), leased=False)
-        return await self._open_leased()
+            self.first_stream = await self._open(self._colocated_body(), leased=False)
+        else:
+            self.first_stream = await self._open_leased()
+        return self.first_stream
 
     async def migrate(self, progress: Progress) -> GenStream:
         settings = self._flow._settings

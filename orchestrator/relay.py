@@ -49,6 +49,7 @@ class GenStream:
 
     server: Server
     stream: OpenStream
+    predicted: int | None = None  # colocated: the prefix-cache hit the KV index predicted at pick time
 
 
 class GenSource(Protocol):
