@@ -16,6 +16,11 @@
 
 A body without ``seed`` gets one here (63 random bits), so the ctx server, the gen server and a
 migration target sample with the same seed (the engine would otherwise draw one per server).
+
+That is ``orchestrator.schedule_style: context_first``; ``generation_first`` (both phases sent at
+once, the gen server waits for the ctx server's KV) is :class:`orchestrator.gen_first.GenerationFirstFlow`,
+a subclass that replaces :meth:`DisaggFlow._disaggregated` and reuses the attempts and
+:meth:`DisaggFlow.generation_phase` here.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from .h1client import H1Client
 from .kv_selfcheck import HitSelfCheck, reported_hit
 from .metrics import Metrics
 from .pools import ClusterPools, Server
-from .migration import GenPhase
+from .migration import GenPhase, OpenedSource
 from .progress import Progress
 from .relay import GenRelay, GenStream, StreamAnswer
 from .prompt_tokens import PromptTokenizer
@@ -158,18 +163,26 @@ class DisaggFlow:
                                                       set(failed_ctx))
         self._metrics.ctx_phase.observe(time.monotonic() - t0)
         self._metrics.routed.labels(pool="ctx", path="disaggregated").inc()
-        choice = answer["choices"][0]
-        if choice.get("finish_reason") is not None:
+        if answer["choices"][0].get("finish_reason") is not None:
             return self._final_from_ctx(ex, answer)
-        params = choice["disaggregated_params"]
+        return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx)
+
+    async def generation_phase(self, ex: Exchange, hint: RouteHint | None, ctx_server: Server, answer: dict,
+                               failed_ctx: set[str], exclude: set[str] | None = None,
+                               failures: list[str] | None = None) -> Response:
+        """The gen phase of a parked ctx ``answer`` (on gen servers not in ``exclude``, after the attempts
+        ``failures`` describe); the lease is released on any way out but a response.
+        Raises KVSourceFailed, OrchestratorError, UpstreamRejected."""
+        params = answer["choices"][0]["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
         if ex.stream or self._settings.migration_limit:
-            return await self._relayed(ex, hint, answer, lease, failed_ctx)
+            return await self._relayed(ex, hint, answer, lease, failed_ctx, exclude, failures)
         gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
             **params, "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id}})
         handed_over = False
         try:
-            _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint)
+            _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
+                                                   exclude, failures)
             self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
             handed_over = True
             return response
@@ -193,7 +206,8 @@ class DisaggFlow:
         return response
 
     async def _relayed(self, ex: Exchange, hint: RouteHint | None, answer: dict | None, lease: Lease | None,
-                       failed_ctx: set[str]) -> Response:
+                       failed_ctx: set[str], exclude: set[str] | None = None,
+                       failures: list[str] | None = None) -> Response:
         """The gen phase through :class:`GenRelay`: a stream that starts with the ctx answer's first
         token (``answer``; None on the colocated path), or (not ``ex.stream``) the JSON answer
         assembled from an internal stream. Raises OrchestratorError (non-stream only: a stream's
@@ -206,7 +220,8 @@ class DisaggFlow:
         migrate = self._settings.migration_limit > 0
         source = GenPhase(self, ex, hint, progress, lease, None if answer is None else
                           answer["choices"][0]["disaggregated_params"], failed_ctx, token_ids=migrate,
-                          want_usage=include_usage or not ex.stream)
+                          want_usage=include_usage or not ex.stream, exclude_gen=exclude,
+                          failures=failures)
         relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
                          ex.started_s + self._settings.request_timeout_s, include_usage)
         if ex.stream:
@@ -231,16 +246,18 @@ class DisaggFlow:
                                         ex.request_id), name=f"release-{lease.ctx_request_id}")
 
     async def _with_retries(self, role: Role, attempt: Callable[[Server], Awaitable[T]],
-                            hint: RouteHint | None = None, exclude: set[str] | None = None) -> tuple[Server, T]:
-        """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``.
+                            hint: RouteHint | None = None, exclude: set[str] | None = None,
+                            failures: list[str] | None = None) -> tuple[Server, T]:
+        """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``
+        (``failures``: attempts that already failed elsewhere, named in the error and counted).
 
         Raises:
             OrchestratorError: 503 naming every failed attempt, or that no server was ready.
             UpstreamRejected: a server answered 4xx (relayed, not retried).
         """
         tried: set[str] = set(exclude or ())
-        failures: list[str] = []
-        for n in range(1 + self._settings.max_retries):
+        failures = list(failures or ())
+        for n in range(len(failures), 1 + self._settings.max_retries):
             server = self._routers[role].pick(self._pools.pool(role), tried, hint)
             if server is None:
                 break
@@ -302,6 +319,20 @@ class DisaggFlow:
         if ex.colocated:  # the gen server computed the prompt: its hit is its own
             self._check_hits("gen", ex, predicted, answer)
         return self._json_response(ex, raw)  # relayed as the server wrote it
+
+    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: bytes,
+                                  on_abandon: Callable[[], None]) -> StreamAnswer:
+        """A gen stream opened by someone else's dispatch (generation_first), relayed as one client
+        stream from its token 0; a gen death mid-decode migrates it like any other (prefill again).
+        ``on_abandon`` runs if the stream ends unfinished (releases the lease)."""
+        gs = await self.open_gen_stream(ex, server, body, leased=True)
+        progress = Progress.for_body(ex.body, ex.chat)
+        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
+        phase = GenPhase(self, ex, ex.hint, progress, None, None, set(), token_ids=False, want_usage=include_usage)
+        source = OpenedSource(gs, phase, on_abandon)
+        relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
+                         ex.started_s + self._settings.request_timeout_s, include_usage)
+        return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)
 
     async def open_gen_stream(self, ex: Exchange, server: Server, body: bytes, leased: bool) -> GenStream:
         """POST a streaming gen request and wait for its first byte (``leased``: a generation_only

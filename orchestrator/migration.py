@@ -46,12 +46,14 @@ class GenPhase:
 
     def __init__(self, flow: "DisaggFlow", ex: "Exchange", hint: "RouteHint | None", progress: Progress,
                  lease: "Lease | None", params: dict | None, failed_ctx: set[str], token_ids: bool,
-                 want_usage: bool) -> None:
+                 want_usage: bool, exclude_gen: set[str] | None = None, failures: list[str] | None = None) -> None:
         self._flow, self._ex, self._hint, self._progress = flow, ex, hint, progress
         self._lease, self._params = lease, params
         self._failed_ctx = failed_ctx
         self._token_ids, self._want_usage = token_ids, want_usage
         self.first_stream: GenStream | None = None  # what first() opened
+        self._exclude_gen = set(exclude_gen or ())   # gen servers the first stream may not use
+        self._failures = failures                    # ... and the attempts already made there (for the error)
 
     async def first(self) -> GenStream:
         if self._lease is None:
@@ -99,7 +101,10 @@ class GenPhase:
 
     async def _open(self, body: bytes, leased: bool) -> GenStream:
         flow, ex = self._flow, self._ex
-        _, gs = await flow._with_retries("gen", lambda s: flow.open_gen_stream(ex, s, body, leased), self._hint)
+        exclude, self._exclude_gen = self._exclude_gen, set()  # only the first stream's: a migration may go back
+        failures, self._failures = self._failures, None
+        _, gs = await flow._with_retries("gen", lambda s: flow.open_gen_stream(ex, s, body, leased), self._hint,
+                                         exclude, failures)
         return gs
 
     async def _prefill_again(self) -> GenStream:
@@ -136,3 +141,29 @@ class GenPhase:
         if self._token_ids:
             body["disaggregated_params"] = {"request_type": "context_and_generation", "stream_token_ids": True}
         return jsonio.dumps(body)
+
+
+class OpenedSource:
+    """A :class:`orchestrator.relay.GenSource` whose first stream is already open (another dispatch
+    opened it); migrations go through ``phase``. ``on_abandon`` runs when the request ends
+    unfinished; a stream nobody relayed is closed then (which aborts the gen request)."""
+
+    def __init__(self, gs: GenStream, phase: GenPhase, on_abandon) -> None:
+        self._gs: GenStream | None = gs
+        self._phase, self._on_abandon = phase, on_abandon
+
+    async def first(self) -> GenStream:
+        gs, self._gs = self._gs, None
+        assert gs is not None, "first() called twice"
+        return gs
+
+    async def migrate(self, progress: Progress) -> GenStream:
+        return await self._phase.migrate(progress)
+
+    def abandon(self) -> None:
+        if self._gs is not None:  # never relayed (the dispatch discarded it)
+            self._gs.stream.close()
+            self._gs.server.in_flight -= 1
+            self._gs = None
+        self._on_abandon()
+        self._phase.abandon()
