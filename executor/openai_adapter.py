@@ -179,9 +179,14 @@ class ChunkEncoder:
         self._head = (f'data: {{"id":{_dumps(rid)},"object":"{obj}","created":{int(created)},'
                       f'"model":{_dumps(model)},"choices":[')
 
-    def event(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
-        """One content chunk (``role`` marks the first chat chunk with ``"assistant"``)."""
-        end = f'"finish_reason":{_dumps(finish_reason)},"logprobs":null}}],"usage":null}}\n\n'
+    def event(self, text: str | None, finish_reason: str | None, role: bool = False,
+              token_ids: list[int] | None = None) -> bytes:
+        """One content chunk (``role`` marks the first chat chunk with ``"assistant"``).
+
+        ``token_ids`` (when not None) adds the extension field ``"token_ids"`` to the choice: the
+        output token ids this chunk's text came from (``disaggregated_params.stream_token_ids``)."""
+        ids = "" if token_ids is None else f'"token_ids":{_dumps(token_ids)},'
+        end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":null}}],"usage":null}}\n\n'
         if self.chat:
             role_json = '"assistant"' if role else "null"
             choice = f'{{"index":0,"delta":{{"role":{role_json},"content":{_dumps(text)}}},'
