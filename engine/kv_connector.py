@@ -21,8 +21,10 @@ An engine built with ``EngineConfig.kv_connector = "none"`` has no connector: it
 requests only and refuses ``context_only`` / ``generation_only`` ones.
 
 The wait logic of a ``generation_only`` request lives here: it sits in :attr:`loading` (blocks held,
-never scheduled) until :meth:`finish_load`. A dispatch style where the gen request arrives before
-the ctx KV exists plugs in at :meth:`admit_load` (return None while the source is not ready).
+never scheduled) until :meth:`finish_load`. A ``generation_first`` request (``first_tokens_later``:
+it arrives before the ctx server has sampled) is admitted the same way, with room for one first
+token and no sender hashes yet (a full pull); the worker side holds its :class:`KVPull` until the
+ctx params arrive (``gen_worker.kv_source.KVSources``), and ``kv_ready`` brings the first tokens.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ class KVConnector:
         this engine writes is the first output token's, at position ``num_tokens``, past them.
         """
         hit = self._reusable_prefix(seq)
-        need = self.bm.blocks_needed(seq.num_tokens + len(seq.first_token_ids)) - len(hit)
+        # generation_first (first_tokens_later): room for one first token, not yet sampled by the ctx server
+        need = self.bm.blocks_needed(seq.num_tokens + max(len(seq.first_token_ids), 1)) - len(hit)
         if not self.bm.can_allocate(need, sharing=hit):
             return None
         seq.block_ids = self.bm.share(hit) + self.bm.allocate(need)

@@ -25,6 +25,9 @@ class EngineRequest:
     source_block_hashes: GENERATION_ONLY only: the ctx server's hashes (16 bytes each,
     pdserve.block_hash) of the prompt's full blocks, in order; leading blocks this engine's prefix
     cache holds under those hashes (token ids compared) are reused instead of pulled. None = pull all.
+    first_tokens_later: GENERATION_ONLY of ``schedule_style: generation_first``: the request is
+    admitted (blocks allocated) before the ctx server has sampled; first_token_ids and
+    num_cached_tokens come with :meth:`engine.llm_engine.LLMEngine.kv_ready`.
     """
 
     request_id: str
@@ -35,6 +38,7 @@ class EngineRequest:
     cache_salt: str | None = None
     num_cached_tokens: int = 0
     source_block_hashes: list[bytes] | None = None
+    first_tokens_later: bool = False
 
 
 @dataclass

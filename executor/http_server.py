@@ -257,8 +257,8 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     if rtype == "context_only" and body.stream:
         raise ApiError(400, "context_only requests cannot stream", param="stream")
     try:
-        if rtype == "generation_only":
-            prompt = list(disagg.prompt_token_ids)
+        if rtype == "generation_only" and not disagg.awaits_ctx:
+            prompt = list(disagg.prompt_token_ids)  # generation_first: tokenized here, checked against the ctx's
         else:
             prompt = prompt_token_ids(body, state.client.tokenizer, state.vocab_size)
         check_length(len(prompt), state.client.max_model_len, "messages" if chat else "prompt")
@@ -273,7 +273,8 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         return Response(status_code=499)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(run.sse(first, include_usage), media_type="text/event-stream")
+        token_ids = bool(disagg and disagg.stream_token_ids)
+        return StreamingResponse(run.sse(first, include_usage, token_ids), media_type="text/event-stream")
     return await run.collect(first, request, answer)
 
 
@@ -369,14 +370,18 @@ class _Run:
             data["choices"][0].pop("disaggregated_params", None)
         return JSONResponse(data)
 
-    async def sse(self, first: RequestOutput, include_usage: bool) -> AsyncIterator[bytes]:
-        """Server-sent events; an error after the first byte becomes an error event, then [DONE]."""
+    async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+        """Server-sent events; an error after the first byte becomes an error event, then [DONE].
+
+        ``token_ids``: every output with new tokens becomes a chunk (also one whose text is held
+        back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         try:
             out, is_first = first, True
             while out is not None:
-                if out.new_text or out.finished or is_first:
-                    yield enc.event(out.new_text, out.finish_reason if out.finished else None, role=is_first)
+                if out.new_text or out.finished or is_first or (token_ids and out.new_token_ids):
+                    yield enc.event(out.new_text, out.finish_reason if out.finished else None, role=is_first,
+                                    token_ids=list(out.new_token_ids) if token_ids else None)
                     is_first = False
                 if out.finished:
                     break

@@ -106,12 +106,13 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector)."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
     gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
-    first = list(disagg.first_gen_tokens) if gen_only else None
+    later = gen_only and disagg.awaits_ctx  # generation_first: first tokens and cache hit come with the KV
+    first = list(disagg.first_gen_tokens) if gen_only and not later else None
     cached = (disagg.cached_tokens or 0) if gen_only else 0
     hashes = [bytes.fromhex(h) for h in disagg.kv_block_hashes] if gen_only and disagg.kv_block_hashes else None
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
                          phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached,
-                         source_block_hashes=hashes)
+                         source_block_hashes=hashes, first_tokens_later=later)
 
 
 @dataclass
@@ -180,9 +181,14 @@ class ChunkEncoder:
         self._head = (f'data: {{"id":{_dumps(rid)},"object":"{obj}","created":{int(created)},'
                       f'"model":{_dumps(model)},"choices":[')
 
-    def event(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
-        """One content chunk (``role`` marks the first chat chunk with ``"assistant"``)."""
-        end = f'"finish_reason":{_dumps(finish_reason)},"logprobs":null}}],"usage":null}}\n\n'
+    def event(self, text: str | None, finish_reason: str | None, role: bool = False,
+              token_ids: list[int] | None = None) -> bytes:
+        """One content chunk (``role`` marks the first chat chunk with ``"assistant"``).
+
+        ``token_ids`` (when not None) adds the extension field ``"token_ids"`` to the choice: the
+        output token ids this chunk's text came from (``disaggregated_params.stream_token_ids``)."""
+        ids = "" if token_ids is None else f'"token_ids":{_dumps(token_ids)},'
+        end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":null}}],"usage":null}}\n\n'
         if self.chat:
             role_json = '"assistant"' if role else "null"
             choice = f'{{"index":0,"delta":{{"role":{role_json},"content":{_dumps(text)}}},'

@@ -6,7 +6,9 @@ its worker side); this role copies the ctx lease's blocks ``first_block .. kv_bl
 them (a partial pull: the blocks before ``first_block`` were in this engine's prefix cache; none
 left to copy = only the lease is released) on a small thread pool (each pull bounded by ``kv_transfer.timeout_ms``) and then tells
 the engine (``kv_ready``) on the loop thread. A request aborted mid-pull keeps its blocks until the
-copy has stopped writing into them.
+copy has stopped writing into them. When a pull may start is :class:`gen_worker.kv_source.KVSources`'
+call: at once (context_first), or once the ctx params arrive (generation_first: the frontend's
+wait on the ctx server, then :meth:`GenKVRole.kv_source_ready`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, KVPull
 from executor.kv_role import KVTransferDone, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
+from gen_worker.kv_source import KVSources
 from kv_transfer.formatter import pull_plan
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens, check_tp_pairing
 from kv_transfer.stats import TransferStats
@@ -43,7 +46,7 @@ class GenKVRole(WorkerRole):
     def __init__(self, settings: KVTransferSettings, layout: KVLayout) -> None:
         self.settings, self.layout = settings, layout
         self._clients: dict[tuple[str, str], KVClient] = {}  # (scheme, layout) -> client, made on first use
-        self._sources: dict[str, DisaggregatedParams] = {}
+        self._sources = KVSources()
         self._in_flight: dict[str, bool] = {}  # request id -> aborted while pulling
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
@@ -57,13 +60,23 @@ class GenKVRole(WorkerRole):
 
     def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
         if disagg is not None and disagg.request_type == "generation_only":
-            self._sources[request.request_id] = disagg
+            self._sources.submitted(request.request_id, disagg)
 
     def on_pull(self, pull: KVPull) -> None:
-        src = self._sources.pop(pull.request_id, None)
-        if src is None:
+        try:
+            ready = self._sources.allocated(pull)
+        except KeyError:
             self._fail(pull.request_id, "no KV source for this request (not a generation_only request)", 500)
             return
+        if ready is not None:
+            self._start_pull(*ready)
+
+    def kv_source_ready(self, request_id: str, params: DisaggregatedParams) -> None:
+        ready = self._sources.source_ready(request_id, params)
+        if ready is not None:
+            self._start_pull(*ready)
+
+    def _start_pull(self, pull: KVPull, src: DisaggregatedParams) -> None:
         num_blocks = (src.kv_block_count or blocks_for_tokens(pull.num_tokens, self.layout.block_size)) - pull.first_block
         if not 0 <= num_blocks <= len(pull.block_ids):
             self._fail(pull.request_id, f"ctx holds {num_blocks} KV blocks past block {pull.first_block}; "
@@ -97,7 +110,8 @@ class GenKVRole(WorkerRole):
         elif not aborted:
             self.ops.deliver(rid, KVTransferDone(rid, nbytes, seconds))
         ok = error is None and not aborted
-        self.ops.post(lambda engine: engine.kv_ready(rid, ok))
+        first, cached = list(src.first_gen_tokens or []), src.cached_tokens  # generation_first: known only now
+        self.ops.post(lambda engine: engine.kv_ready(rid, ok, first_token_ids=first, num_cached_tokens=cached))
 
     def _pull_shards(self, src: DisaggregatedParams, dst: list[int], first: int) -> int:
         """Pull every gen rank's heads of the ctx lease blocks ``first ..`` into ``dst`` from the ctx
@@ -144,7 +158,7 @@ class GenKVRole(WorkerRole):
         per ctx rank layout; clients are cached.
         """
         scheme = endpoint.partition("://")[0]
-        if scheme not in ("tcp", "ucx"):
+        if scheme not in ("tcp", "ucx", "cudaipc"):
             raise KVTransferError(f"unsupported KV endpoint {endpoint!r}")
         key = (scheme, layout.model_dump_json())
         with self._lock:
@@ -159,7 +173,7 @@ class GenKVRole(WorkerRole):
         self.ops.deliver(rid, PhaseError(message, status, "kv_transfer_error"))
 
     def intercept_abort(self, request_id: str) -> bool:
-        self._sources.pop(request_id, None)
+        self._sources.forget(request_id)
         with self._lock:
             if request_id in self._in_flight:
                 self._in_flight[request_id] = True  # freed by kv_ready(ok=False) once the copy stops

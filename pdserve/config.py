@@ -18,6 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pdserve.devices import DEVICE_PATTERN, resolve_device
 from pdserve.dtypes import DtypeSetting, resolve_dtype
 
 Role = Literal["ctx", "gen"]
@@ -43,8 +44,17 @@ class EngineSettings(StrictModel):
         "auto", description="weights, activations and KV cache: 'auto' = bfloat16 where the CPU has native bf16 "
         "(avx512_bf16 or amx_bf16), else float32; each server resolves it once at start and reports the "
         "result in its KV layout. bfloat16 without native bf16 is emulated (5-20x slower prefill)")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="where weights, KV cache and sampling live: 'auto' = cuda:0 where "
+        "torch sees a GPU, else cpu; 'cpu', 'cuda', 'cuda:N'. Under Slurm the allocation's GPU (--gpus-per-task) is "
+        "the process's cuda:0. Each server resolves it once at start (before dtype: auto is bfloat16 on CUDA)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    num_kv_blocks: int = Field(1024, ge=2, description="blocks in the paged KV cache")
+    num_kv_blocks: int | None = Field(
+        None, ge=2, description="blocks in the paged KV cache; unset: 1024 on a CPU, on CUDA as many as "
+        "gpu_memory_utilization leaves after the weights")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: the fraction of the GPU's memory this server may use (weights, "
+        "activations, KV cache; vLLM's meaning: two servers on one GPU set 0.4 each)")
     max_batch_size: int = Field(16, ge=1, le=4096, description="running sequences per step")
     max_num_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
     max_model_len: int | None = Field(None, ge=2, description="context window (tokens); default from model and cache")
@@ -76,8 +86,10 @@ class EngineOverrides(StrictModel):
     """A pool's overrides of :class:`EngineSettings`; ``None`` means inherit."""
 
     dtype: DtypeSetting | None = None
+    device: str | None = Field(None, pattern=DEVICE_PATTERN)
     block_size: int | None = Field(None, ge=1, le=1024)
     num_kv_blocks: int | None = Field(None, ge=2)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     max_batch_size: int | None = Field(None, ge=1, le=4096)
     max_num_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
@@ -102,6 +114,10 @@ class KVTransferSettings(StrictModel):
         "(sockets, always available), or 'auto' = ucx where ucxx imports, else tcp (the server logs which)")
     lease_ms: int = Field(30_000, ge=1, description="a parked request's blocks are freed after this long unpulled")
     timeout_ms: int = Field(10_000, ge=1, description="a gen-side pull fails after this long")
+    ctx_wait_ms: int = Field(
+        60_000, ge=1, description="generation_first: a gen server waits this long for the ctx server to park "
+        "the request's KV (its queueing plus prefill; the pull itself is bounded by timeout_ms), then fails the "
+        "request and both servers free its blocks")
     same_host_reads: bool = Field(
         True, description="ucx: a gen server reads a same-host ctx server's blocks with process_vm_readv "
         "(the ctx process allows same-user readers with prctl(PR_SET_PTRACER) where Yama restricts ptrace); "
@@ -168,6 +184,12 @@ class OrchestratorSettings(StrictModel):
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a registered server that has not heartbeated for this long is dropped")
     startup_timeout_s: float = Field(180.0, gt=0, description="how long `pdserve up` waits for readiness")
     drain_timeout_s: float = Field(300.0, gt=0, description="scale-down waits this long for in-flight requests before stopping a server")
+    migration_limit: int = Field(2, ge=0, le=16, description="a stream whose gen server dies mid-decode continues on another gen server up to this many times (0 = off: the stream ends with an error event)")
+    migration_wait_s: float = Field(10.0, gt=0, description="a migration waits this long for a ready ctx and gen server")
+    schedule_style: Literal["context_first", "generation_first"] = Field(
+        "context_first", description="context_first: the ctx phase, then the gen phase (two round trips in a row); "
+        "generation_first: both at once, the gen server allocates and waits for the ctx server's KV "
+        "(kv_transfer.ctx_wait_ms)")
     max_local_prefill_length: int = Field(0, ge=0, description="prompts shorter than this many tokens run colocated on a gen server (0 = off)")
     kv_aware_balance_threshold: int = Field(4, ge=0, description="kv_cache_aware: ignore prefix affinity when the best match has this many more in-flight requests than the least loaded server")
     admin_token_env: str = Field("PDSERVE_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -220,6 +242,12 @@ class ServerConfig(StrictModel):
     orchestrator_url: str = Field("", description="where the server registers ('' = do not register)")
     admin_token_env: str = "PDSERVE_ADMIN_TOKEN"
     heartbeat_ttl_s: float = 10.0
+
+    def with_resolved_device(self, num_cuda_devices: int) -> "ServerConfig":
+        """This config with ``engine.device`` concrete (``cpu`` | ``cuda:N``) for a process that sees
+        ``num_cuda_devices`` (:func:`pdserve.devices.resolve_device`; raises its ValueError)."""
+        device = resolve_device(self.engine.device, num_cuda_devices)
+        return self.model_copy(update={"engine": self.engine.model_copy(update={"device": device})})
 
     def with_resolved_dtype(self, cpu_flags: frozenset[str], device: str = "cpu") -> "ServerConfig":
         """This config with ``engine.dtype`` concrete (``auto`` resolved for a CPU with

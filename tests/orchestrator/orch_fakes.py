@@ -1,8 +1,14 @@
 """Fake ctx/gen servers speaking the pdserve server protocol with canned tokens (no engine).
 
 Token ``i`` of every answer is ``TOKENS[i % len(TOKENS)]``; the ctx server samples token 0 and the
-gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once).
+gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once; a
+migrated stream's gen request lists tokens 0..k-1 there, and the gen stream still starts at token 0,
+as a real gen server's does), with token id ``i`` in ``token_ids`` when asked.
 A :class:`Behavior` injects failures; a :class:`Record` keeps what each server saw.
+
+generation_first: the fake ctx server answers ``POST /disagg/lease`` (``pdserve.kv_wait``) once its
+context request for that ``disagg_request_id`` has been answered (or at once if it was); a fake
+gen server given ``ctx_url`` really waits on it before it streams.
 """
 
 from __future__ import annotations
@@ -41,12 +47,16 @@ class Behavior:
     fail_times: int = 10**9
     health_status: int = 200
     break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
+    break_times: int = 10**9               # ... in this many streams (then stream normally)
+    dead_after_chunks: int | None = None   # gen stream: an in-band engine_dead error event after N chunks
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
-    answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
+    answer_delay_s: float = 0.0            # gen: think this long before answering (watching for a disconnect)
     kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
     max_model_len: int = 2048              # what /server_info reports
     reset_status: int = 200                # POST /reset_prefix_cache answers this
+    ctx_wait_ms: int = 5000                # gen, generation_first: how long it waits on the ctx server
+    ctx_delay_s: float = 0.0               # ctx: think this long before answering (a slow prefill)
 
 
 @dataclass
@@ -59,6 +69,9 @@ class Record:
     aborted_requests: int = 0              # non-stream requests whose client left before the answer
     finished_streams: int = 0
     prefix_resets: list[str | None] = field(default_factory=list)  # the Authorization header of each
+    answered_at: list[float] = field(default_factory=list)  # time.monotonic() when each gen answer began
+    sources: list[str] = field(default_factory=list)  # gen, generation_first: ctx_request_id each wait returned
+    arrived_s: list[float] = field(default_factory=list)  # time.monotonic() when each completion request came
 
 
 def _max_tokens(body: dict, chat: bool) -> int:
@@ -81,43 +94,69 @@ def _answer(chat: bool, text: str, finish: str | None, n: int, dp: dict | None) 
     return {**head, "object": "text_completion", "choices": [choice]}
 
 
-def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: bool = False) -> bytes:
+def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: bool = False,
+           token_ids: list[int] | None = None) -> bytes:
     head = {"id": cid, "created": int(time.time()), "model": MODEL}
+    ids = {} if token_ids is None else {"token_ids": token_ids}
     if chat:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
         return sse_event({**head, "object": "chat.completion.chunk",
-                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                          "choices": [{"index": 0, "delta": delta, **ids, "finish_reason": finish}]})
     return sse_event({**head, "object": "text_completion",
-                      "choices": [{"index": 0, "text": text or "", "finish_reason": finish}]})
+                      "choices": [{"index": 0, "text": text or "", **ids, "finish_reason": finish}]})
 
 
-def _ctx_answer(rec: Record, chat: bool, body: dict) -> JSONResponse:
+def _ctx_answer(rec: Record, chat: bool, body: dict) -> tuple[JSONResponse, dict]:
+    """The ctx answer and the lease-wait outcome it settles."""
     n = _max_tokens(body, chat)
     if n == 1:
-        return JSONResponse(_answer(chat, text_of(1), "length", 1, None))
+        return JSONResponse(_answer(chat, text_of(1), "length", 1, None)), {"state": "finished"}
     lease = f"lease-{uuid.uuid4().hex[:8]}"
     rec.leases.add(lease)
     dp = {"request_type": "context_only", "disagg_request_id": body["disaggregated_params"]["disagg_request_id"],
           "ctx_request_id": lease, "first_gen_tokens": [0], "prompt_token_ids": PROMPT_TOKENS,
           "kv_endpoint": "tcp://127.0.0.1:1", "kv_block_count": 1, "lease_deadline": time.time() + 30,
           "kv_layout": KV_LAYOUT}
-    return JSONResponse(_answer(chat, text_of(1), None, 1, dp))
+    return JSONResponse(_answer(chat, text_of(1), None, 1, dp)), {"state": "parked", "disaggregated_params": dp}
+
+
+async def _wait_ctx(beh: Behavior, rec: Record, dp: dict) -> JSONResponse | None:
+    """generation_first: wait on the ctx server named in ``dp``; None when it parked, else the error answer."""
+    import httpx  # here, not at the top: the launcher tests time how fast a fake process starts
+
+    wait = {"disagg_request_id": dp["disagg_request_id"], "wait_ms": beh.ctx_wait_ms}
+    async with httpx.AsyncClient(timeout=beh.ctx_wait_ms / 1000 + 5, trust_env=False) as client:
+        answer = (await client.post(dp["ctx_url"] + "/disagg/lease", json=wait)).json()
+    if answer["state"] == "parked":
+        rec.sources.append(answer["disaggregated_params"]["ctx_request_id"])
+        return None
+    kind, status = {"timeout": ("ctx_wait_timeout", 504), "finished": ("ctx_finished", 409)}.get(
+        answer["state"], ("ctx_failed", 502))
+    return JSONResponse(error_body(f"ctx wait: {answer['state']}", kind, status), status_code=status)
 
 
 def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
     n = _max_tokens(body, chat)
     include_usage = (body.get("stream_options") or {}).get("include_usage", False)
+    with_ids = bool((body.get("disaggregated_params") or {}).get("stream_token_ids"))
     cid = f"cmpl-{uuid.uuid4().hex[:8]}"
 
     async def events():
         done = False
         try:
+            breaks = beh.break_after_chunks is not None and beh.break_times > 0
+            if breaks:
+                beh.break_times -= 1
             for i in range(n):
-                if beh.break_after_chunks is not None and i >= beh.break_after_chunks:
+                if breaks and i >= beh.break_after_chunks:
                     raise RuntimeError("injected mid-stream failure")
-                yield _chunk(chat, cid, TOKENS[i % len(TOKENS)], None, role=(i == 0))
+                if beh.dead_after_chunks is not None and i >= beh.dead_after_chunks:
+                    yield sse_event(error_body("engine is dead: injected", "engine_dead", 503))
+                    yield SSE_DONE
+                    return
+                yield _chunk(chat, cid, TOKENS[i % len(TOKENS)], None, role=(i == 0), token_ids=[i] if with_ids else None)
                 await asyncio.sleep(beh.chunk_delay_s)
             yield _chunk(chat, cid, None if chat else "", "length")
             if include_usage:
@@ -138,31 +177,53 @@ def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
 def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
     """A FastAPI app behaving like a ctx (``role="ctx"``) or gen server."""
     app = FastAPI()
+    outcomes: dict[str, asyncio.Future] = {}  # ctx: disagg_request_id -> lease-wait outcome (this app's loop)
+
+    def outcome(disagg_id: str) -> asyncio.Future:
+        return outcomes.setdefault(disagg_id, asyncio.get_running_loop().create_future())
+
+    def settle(body: dict, answer: dict) -> None:
+        fut = outcome((body.get("disaggregated_params") or {}).get("disagg_request_id") or "")
+        if not fut.done():
+            fut.set_result(answer)
 
     async def complete(request: Request, chat: bool):
         body = await request.json()
         rec.bodies.append(body)
+        rec.arrived_s.append(time.monotonic())
         rec.request_ids.append(request.headers.get("x-request-id"))
         if beh.fail_status is not None and beh.fail_times > 0:
             beh.fail_times -= 1
+            if role == "ctx":
+                settle(body, {"state": "failed", "message": "injected failure"})
             return JSONResponse(error_body("injected failure", "internal_server_error", beh.fail_status),
                                 status_code=beh.fail_status)
         if REJECT_MARKER in json.dumps(body):
+            if role == "ctx":
+                settle(body, {"state": "failed", "message": "rejected"})
             return JSONResponse(error_body("prompt is too long", "invalid_request_error", 400, "messages"), 400)
         dp = body.get("disaggregated_params") or {}
         if role == "ctx":
             assert dp.get("request_type") == "context_only" and body["stream"] is False
-            return _ctx_answer(rec, chat, body)
-        assert dp.get("request_type") == "generation_only" and dp.get("ctx_request_id")
-        if body.get("stream"):
-            return _gen_stream(beh, rec, chat, body)
-        n = _max_tokens(body, chat)
+            await asyncio.sleep(beh.ctx_delay_s)
+            answer, result = _ctx_answer(rec, chat, body)
+            settle(body, result)
+            return answer
+        assert dp.get("request_type") == "generation_only" and (dp.get("ctx_request_id") or dp.get("ctx_url"))
+        if not dp.get("ctx_request_id"):
+            failed = await _wait_ctx(beh, rec, dp)
+            if failed is not None:
+                return failed
         deadline = time.monotonic() + beh.answer_delay_s
         while time.monotonic() < deadline:
             if await request.is_disconnected():
                 rec.aborted_requests += 1
                 return JSONResponse({}, status_code=499)
             await asyncio.sleep(0.02)
+        rec.answered_at.append(time.monotonic())
+        if body.get("stream"):
+            return _gen_stream(beh, rec, chat, body)
+        n = _max_tokens(body, chat)
         return JSONResponse(_answer(chat, text_of(n), "length", n, None))
 
     @app.post("/v1/chat/completions")
@@ -193,6 +254,14 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
             return JSONResponse(error_body("injected failure", "internal_server_error", beh.reset_status),
                                 beh.reset_status)
         return {"freed_blocks": 3}
+
+    @app.post("/disagg/lease")
+    async def lease(request: Request):
+        body = await request.json()
+        try:
+            return await asyncio.wait_for(asyncio.shield(outcome(body["disagg_request_id"])), body["wait_ms"] / 1000)
+        except TimeoutError:
+            return {"state": "timeout"}
 
     @app.post("/disagg/release")
     async def release(request: Request):
