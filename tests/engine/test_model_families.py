@@ -10,24 +10,14 @@ from engine import EngineConfig, EngineRequest, LLMEngine
 from engine.layers import RotaryTable
 
 from engine_testutil import greedy, run_all
-from families import FAMILIES, N_NEW, WINDOW, hf_reference, make_family_dir, prompts
+from families import FAMILIES, N_NEW, WINDOW, prompts
 from test_disagg import _ctx, _gen
 
 ENGINE_KW = dict(dtype="float32", num_kv_blocks=64)
 
 
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory, tiny_dir):
-    root = tmp_path_factory.mktemp("families")
-    return {name: make_family_dir(root / name, name, tiny_dir) for name in FAMILIES}
-
-
-@pytest.fixture(scope="module")
-def hf_tokens(family_dirs):
-    return {name: hf_reference(path, prompts(), N_NEW) for name, path in family_dirs.items()}
-
-
 def _engine(path, **kw) -> LLMEngine:
+    """An engine on a family checkpoint (fixtures family_dirs / hf_tokens: conftest.py)."""
     return LLMEngine(EngineConfig(model=str(path), **{**ENGINE_KW, **kw}))
 
 
