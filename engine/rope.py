@@ -40,7 +40,7 @@ def parse_rope_scaling(params: dict[str, Any] | None) -> RopeScaling | None:
     longrope, ...), for a partial rotary factor, and for a llama3 entry missing a field.
     """
     params = params or {}
-    kind = params.get("rope_type", params.get("type")) or "default"
+    kind = params.get("rope_type") or params.get("type") or "default"
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor {params['partial_rotary_factor']} "
                          "(only full rotary embeddings)")
