@@ -77,8 +77,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     mistral: `sliding_window` (null = none) on every layer. qwen2/qwen3: only with
     `use_sliding_window: true` (Qwen2.5 ships `sliding_window` set with `use_sliding_window:
     false`: full attention), then on the layers `layer_types` names `sliding_attention`, or on
-    layers >= `max_window_layers` (default 28) without it. llama: none. Raises ValueError on an unknown layer
-    type or a window < 1.
+    layers >= `max_window_layers` (default 28) without it. llama: none. Raises ValueError on an
+    unknown layer type or a window < 1.
     """
     window = cfg.get("sliding_window")
     if arch == "llama" or window is None:

@@ -59,7 +59,8 @@ def parse_rope_scaling(params: dict[str, Any] | None) -> RopeScaling | None:
         raise ValueError(f"rope_scaling type 'llama3' lacks {e.args[0]!r}") from None
 
 
-def default_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+def default_inv_freq(head_dim: int, theta: float,
+                     device: torch.device | None = None) -> torch.Tensor:
     """[head_dim // 2] float32: 1 / theta^(2i / head_dim) (HF's order of operations)."""
     exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     return 1.0 / (theta ** exps)

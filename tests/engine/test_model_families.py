@@ -86,7 +86,8 @@ ABLATIONS = {
 }
 
 
-@pytest.mark.parametrize("family,ablation", list(ABLATIONS), ids=[f"{f}: {a}" for f, a in ABLATIONS])
+@pytest.mark.parametrize("family,ablation", list(ABLATIONS),
+                         ids=[f"{f}: {a}" for f, a in ABLATIONS])
 def test_feature_negative_control(family, ablation, family_dirs, hf_tokens):
     engine = _engine(family_dirs[family], enable_prefix_caching=False)
     ABLATIONS[(family, ablation)](engine.runner.model)
