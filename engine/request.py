@@ -22,6 +22,9 @@ class EngineRequest:
     cache_salt: requests with different salts never share prefix-cache blocks (vLLM's field).
     num_cached_tokens: GENERATION_ONLY only: the prompt tokens the ctx server found in its prefix
     cache, reported in this request's outputs (this engine pulls the whole prompt).
+    first_tokens_later: GENERATION_ONLY of ``schedule_style: generation_first``: the request is
+    admitted (blocks allocated) before the ctx server has sampled; first_token_ids and
+    num_cached_tokens come with :meth:`engine.llm_engine.LLMEngine.kv_ready`.
     """
 
     request_id: str
@@ -31,6 +34,7 @@ class EngineRequest:
     first_token_ids: list[int] | None = None
     cache_salt: str | None = None
     num_cached_tokens: int = 0
+    first_tokens_later: bool = False
 
 
 @dataclass
