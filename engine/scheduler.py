@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_connector import NO_CONNECTOR_COUNTS, KVConnector
-from engine.request import KVPull
+from engine.request import KVPull, Phase
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -28,12 +28,17 @@ class Scheduler:
     waiting: FCFS queue (preempted sequences go back to its front). running: scheduled each step,
     in admission order. The connector (None: colocated only) holds the sequences loading their KV
     from elsewhere and the blocks parked for a hand-off (engine.kv_connector).
+
+    sliding_window: the model's window in tokens when every layer slides by it (None otherwise):
+    a prefix hit then needs only the blocks that window reaches (BlockManager.match_prefix).
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, connector: KVConnector | None = None):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, connector: KVConnector | None = None,
+                 sliding_window: int | None = None):
         self.config = config
         self.bm = block_manager
         self.connector = connector
+        self.sliding_window = sliding_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_cache_queries = 0   # tokens looked up in the prefix cache (vLLM's name)
@@ -118,11 +123,13 @@ class Scheduler:
         """Cached blocks seq may start after: its longest cached prefix of full blocks, capped at
         num_tokens - 1 tokens so the last token is computed (its logits sample the next token)
         and every block seq writes is its own (a prompt ending on a block boundary recomputes its
-        last block into a fresh one)."""
+        last block into a fresh one). Under a sliding window the hit may start with NULL_BLOCK
+        entries, except for a CONTEXT_ONLY request: its whole block table is handed off."""
         if not self.bm.enable_caching or seq.hash_chain is None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.bm.block_size
-        return self.bm.match_prefix(seq.block_hashes()[:max_blocks], seq.token_ids)
+        window = None if seq.phase is Phase.CONTEXT_ONLY else self.sliding_window
+        return self.bm.match_prefix(seq.block_hashes()[:max_blocks], seq.token_ids, window)
 
     def _reuse_prefix(self, seq: Sequence, hit: list[int]) -> None:
         """Start seq (no blocks yet) after the cached blocks ``hit``; count the lookup."""
