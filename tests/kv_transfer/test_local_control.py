@@ -4,6 +4,7 @@ the ctx process (kv_transfer.peer_procs)."""
 import os
 import socket
 import subprocess
+import time
 
 import pytest
 import torch
@@ -39,6 +40,10 @@ def test_later_same_host_pulls_are_asked_over_the_control_socket(ucx_side):
             assert torch.equal(dst[5], src[2 * i]) and torch.equal(dst[9], src[2 * i + 1])
         assert client.same_host_reads == 4
         assert client.local_control_pulls == 3  # the first one learns the socket over UCX
+        # the last "done" (release: true) is fire-and-forget: the ctx side frees r3 a moment later
+        deadline = time.monotonic() + 2.0
+        while len(ucx_side.freed) < 4 and time.monotonic() < deadline:
+            time.sleep(0.002)
         assert len(ucx_side.freed) == 4 and all(reason == "released" for _, reason in ucx_side.freed)
         assert len(ucx_side.leases) == 0
     finally:
