@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -55,7 +56,10 @@ def body(**kw) -> dict:
 
 
 def park(ctx: str) -> dict:
-    r = httpx.post(ctx + "/v1/completions", json=body(disaggregated_params={"request_type": "context_only"}), timeout=30)
+    """Park the prompt on ctx under a fresh cache_salt: its block hashes are new to every gen
+    server's prefix cache, so the gen request really pulls (no partial pull skips the faulted copy)."""
+    salted = body(disaggregated_params={"request_type": "context_only"}, cache_salt=uuid.uuid4().hex)
+    r = httpx.post(ctx + "/v1/completions", json=salted, timeout=30)
     assert r.status_code == 200, r.text
     params = r.json()["choices"][0]["disaggregated_params"]
     return {**params, "request_type": "generation_only"}
