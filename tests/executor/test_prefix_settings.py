@@ -8,7 +8,8 @@ def test_enable_prefix_caching_per_pool():
                            "pools": {"ctx": {"servers": [{"port": 9001}]},
                                      "gen": {"servers": [{"port": 9002}],
                                              "engine": {"enable_prefix_caching": False}}}})
-    avx2 = frozenset({"avx2"})  # engine.dtype auto is resolved by the server before the engine config
-    ctx, gen = (engine_config(topo.server_config(role, 0).with_resolved_dtype(avx2)) for role in ("ctx", "gen"))
+    avx2 = frozenset({"avx2"})  # engine.device/dtype auto: resolved by the server before the engine config
+    resolved = (topo.server_config(role, 0).with_resolved_device(0).with_resolved_dtype(avx2) for role in ("ctx", "gen"))
+    ctx, gen = (engine_config(cfg) for cfg in resolved)
     assert ctx.enable_prefix_caching is True and gen.enable_prefix_caching is False
     assert ctx.served_model_name == gen.served_model_name == "served-name"   # names blocks, as the KV layout does
