@@ -40,6 +40,7 @@ from executor.openai_adapter import (
 )
 from executor.phases import PhaseAnswer, PhaseError, PhaseHandler
 from pdserve import request_id
+from pdserve.api_keys import ApiKeyGuard, load_api_key
 from pdserve.asgi_guard import ErrorBoundary
 from pdserve.config import ServerConfig
 from pdserve.protocol import (
@@ -163,6 +164,7 @@ def create_server_app(state: ServerState) -> FastAPI:
     app = FastAPI(title=f"pdserve {state.config.role} server", lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app)
+    app.add_middleware(ApiKeyGuard, key=load_api_key(state.config.api_key_env))  # raises MissingApiKey
     app.add_middleware(ErrorBoundary, name=f"{state.config.role} server")
     app.add_middleware(FrontendHeader, frontend_id=state.frontend_id)  # outermost: on error bodies too
     request_id.install_log_filter(None)  # log lines written for a request start with its id

@@ -66,6 +66,7 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
                layouts: list[KVLayoutModel] | None = None) -> ServerState:
     """The HTTP state of one frontend, with the role's handlers and routes added."""
     from executor.admin_routes import admin_router
+    from executor.tokenize_routes import tokenize_router
     from kv_transfer.factory import resolve_backend
 
     backend = resolve_backend(cfg.kv_transfer.backend)
@@ -77,4 +78,5 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
                         kv_layouts=list(layouts or [layout]))
     load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
     state.routers.append(admin_router(state))  # every frontend: /tokenizer, /admin/drain, /reset_prefix_cache
+    state.routers.append(tokenize_router(state))  # /tokenize, /detokenize, /v1/models/{id}, /version
     return state

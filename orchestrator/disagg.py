@@ -89,7 +89,7 @@ class DisaggFlow:
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
                  tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
-                 dtype: str = "") -> None:
+                 dtype: str = "", auth: dict[str, tuple[tuple[str, str], ...]] | None = None) -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -99,6 +99,7 @@ class DisaggFlow:
         self._tokenizer = tokenizer
         self._block_size = block_size
         self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
+        self._auth = auth or {}  # per pool: the Authorization header its servers require (pools.<role>.api_key_env)
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
         ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
@@ -225,7 +226,7 @@ class DisaggFlow:
         body.pop("stream_options", None)
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, jsonio.dumps(body),
-                                      self._settings.request_timeout_s, "ctx", ex.request_id)
+                                      self._settings.request_timeout_s, "ctx", ex.request_id, self._auth.get("ctx", ()))
         try:
             answer = parse_ctx_answer(raw)
         except ValueError:
@@ -236,7 +237,7 @@ class DisaggFlow:
     async def _gen_json_attempt(self, ex: Exchange, server: Server, body: bytes) -> Response:
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
-                                      "gen", ex.request_id)
+                                      "gen", ex.request_id, self._auth.get("gen", ()))
         try:
             ok = isinstance(jsonio.loads(raw), dict)
         except ValueError:
@@ -251,7 +252,7 @@ class DisaggFlow:
         server.served += 1
         try:
             stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
-                                       "gen", ex.request_id)
+                                       "gen", ex.request_id, self._auth.get("gen", ()))
         except BaseException:
             server.in_flight -= 1
             raise

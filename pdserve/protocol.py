@@ -333,6 +333,54 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with text (vLLM's shape): ``add_special_tokens`` defaults to true as in
+    vLLM; ``return_token_strs`` adds each token's vocabulary string."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with chat messages, rendered by the model's chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(BaseModel):
+    """``count`` = len(``tokens``); ``max_model_len``: the server's context window (tokens)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): token ids → text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    """``GET /version``: the pdserve distribution's version."""
+
+    version: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -346,7 +394,7 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+def error_body(message: str, type_: str, code: int | str, param: str | None = None) -> dict:
     """The JSON body of an OpenAI-style error (``type_`` e.g. ``invalid_request_error``)."""
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
 

@@ -28,3 +28,13 @@ def tiny_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
     """1 ctx + 1 gen (tiny random Llama, block_size 4) + orchestrator."""
     topo = write_topology(tmp_path_factory.mktemp("topo") / "tiny.yaml", str(tiny_model_dir), TINY_NAME)
     return Cluster(topo, procs).start()
+
+
+@pytest.fixture(scope="module")
+def threaded_cluster(tiny_model_dir, tmp_path_factory):
+    """1 ctx + 1 gen + orchestrator in this process (inproc engines, real sockets): see threaded_cluster.py."""
+    from tests.integration.threaded_cluster import ThreadedCluster
+
+    cluster = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("threaded"))
+    yield cluster
+    cluster.stop()
