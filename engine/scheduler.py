@@ -109,9 +109,9 @@ class Scheduler:
         """Cached blocks seq may start after: its longest cached prefix of full blocks, capped at
         num_tokens - 1 tokens so the last token is computed (its logits sample the next token)
         and every block seq writes is its own (a prompt ending on a block boundary recomputes its
-        last block into a fresh one)."""
-        if not self.bm.enable_caching or seq.hash_chain is None:
-            return []
+        last block into a fresh one). None for a request that wants prompt logprobs (vLLM's rule)."""
+        if not self.bm.enable_caching or seq.hash_chain is None or seq.wants_prompt_logprobs:
+            return []  # prompt logprobs need every prompt position's logits: computed, not cached
         max_blocks = (seq.num_tokens - 1) // self.bm.block_size
         return self.bm.match_prefix(seq.block_hashes()[:max_blocks], seq.token_ids)
 
