@@ -266,8 +266,9 @@ class DisaggFlow:
             choice.pop("disaggregated_params", None)
         if not ex.stream:
             return self._json_response(ex, answer)
-        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
-        events = answer_to_events(answer, ex.chat, include_usage)
+        opts = ex.body.get("stream_options") or {}
+        events = answer_to_events(answer, ex.chat, bool(opts.get("include_usage", False)),
+                                  bool(opts.get("continuous_usage_stats", False)))
         self._observe_done(ex)
         return EventStream(iterate(events))
 
