@@ -75,20 +75,27 @@ def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Ten
 
 
 def _penalties(out: torch.Tensor, params: list[SamplingParams], rows: list[int], history: list[History]) -> None:
-    dev, vocab = out.device, out.shape[-1]
-    idx = torch.tensor(rows, device=dev)
-    sub = out.index_select(0, idx)
+    """In place on ``out``'s penalized rows. In-place ops throughout: on a CPU each fresh [B, V]
+    temporary cost more (allocation, page faults) than the arithmetic."""
+    dev, vocab, dt = out.device, out.shape[-1], out.dtype
+    whole = len(rows) == out.shape[0]
+    idx = None if whole else torch.tensor(rows, device=dev)
+    sub = out if whole else out.index_select(0, idx)
     outputs = _padded([history[i][1] for i in rows], vocab, dev)  # pad id V lands in a dropped column
-    counts = torch.zeros(len(rows), vocab + 1, device=dev, dtype=out.dtype)
-    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=out.dtype))
+    counts = torch.zeros(len(rows), vocab + 1, device=dev, dtype=dt)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=dt))
     counts = counts[:, :vocab]
-    rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev, dtype=out.dtype)[:, None]
+    present = torch.gt(counts, 0).to(dt)
     if any(params[i].repetition_penalty != 1.0 for i in rows):
-        seen = torch.zeros(len(rows), vocab + 1, device=dev, dtype=torch.bool)
-        seen.scatter_(1, _padded([history[i][0] for i in rows], vocab, dev), True)
-        seen = seen[:, :vocab] | (counts > 0)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev, dtype=out.dtype)[:, None]
-    pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev, dtype=out.dtype)[:, None]
-    sub = sub - freq * counts - pres * (counts > 0).to(out.dtype)
-    out.index_copy_(0, idx, sub)
+        # seen token: times 1/r when positive, times r otherwise, as one multiplier per element.
+        rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev, dtype=dt)[:, None]
+        seen = torch.zeros(len(rows), vocab + 1, device=dev, dtype=dt)
+        seen.scatter_(1, _padded([history[i][0] for i in rows], vocab, dev), 1.0)
+        seen = torch.maximum(seen[:, :vocab], present)
+        scale = torch.gt(sub, 0).to(dt).mul_(1.0 / rep - rep).add_(rep).sub_(1.0)  # 1/r - 1 or r - 1
+        sub.mul_(scale.mul_(seen).add_(1.0))
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev, dtype=dt)[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev, dtype=dt)[:, None]
+    sub.sub_(counts.mul_(freq)).sub_(present.mul_(pres))
+    if not whole:
+        out.index_copy_(0, idx, sub)
