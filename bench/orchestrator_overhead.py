@@ -13,9 +13,9 @@ Two fake workers A and B answer at once (no model). Paths:
   *and* B at once with ``bootstrap_host/port/room`` added; the client gets B's stream. (In SGLang
   the KV handoff then runs worker to worker; here nothing moves.)
 
-Routers are pinned to core 1, workers and the load generators to core 0 (taskset); sglang-router
-uses round-robin, pdserve runs once per ``--pdserve-routers`` policy (one orchestrator each, the
-others idle meanwhile). Latency: concurrency 1, ``--latency-prompts`` streamed requests of 16
+Routers are pinned to core 1 (``--router-cores``), workers and the load generators to core 0 (taskset); sglang-router
+uses round-robin, pdserve runs once per ``--pdserve-routers`` policy and ``--pdserve-workers``
+process count (one orchestrator each, the others idle meanwhile). Latency: concurrency 1, ``--latency-prompts`` streamed requests of 16
 tokens through the Python client (``pdserve bench``); added latency = router's TTFT/E2EL minus
 direct. Throughput, two clients: the Python client (rate inf, concurrency ``--conc``: one Python
 process, which tops out near 400-800 req/s on one core, so it cannot show a faster router) and
@@ -60,21 +60,25 @@ def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
     procs.wait_http("worker_b", b_url + "/health", 30)
     urls = {"direct": b_url}
     procs.worker_urls = {"worker_a": a_url, "worker_b": b_url}
+    workers = [int(k) for k in a.pdserve_workers.split(",")]
     for router in a.pdserve_routers.split(","):
-        port = free_port()
-        topo = RESULTS / "overhead" / f"pdserve-{router}.yaml"
-        topo.parent.mkdir(parents=True, exist_ok=True)
-        topo.write_text(yaml.safe_dump({
-            "model": {"path": str(tok_dir), "name": "fake-model"},
-            "orchestrator": {"host": "127.0.0.1", "port": port, "router": router, "health_interval_s": 1.0,
-                             "max_inflight_requests": 4096},
-            "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
-                      "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}},
-        }, sort_keys=False))
-        name = f"pdserve {router}"
-        procs.start(name, [PY, "-m", "orchestrator", "--config", str(topo), "--log-level", "warning"], cores="1")
-        urls[name] = f"http://127.0.0.1:{port}"
-        procs.wait_http(name, urls[name] + "/health", 60)
+        for k in workers:
+            port = free_port()
+            topo = RESULTS / "overhead" / f"pdserve-{router}-k{k}.yaml"
+            topo.parent.mkdir(parents=True, exist_ok=True)
+            topo.write_text(yaml.safe_dump({
+                "model": {"path": str(tok_dir), "name": "fake-model"},
+                "orchestrator": {"host": "127.0.0.1", "port": port, "router": router, "health_interval_s": 1.0,
+                                 "max_inflight_requests": 4096, "num_workers": k},
+                "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
+                          "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}},
+            }, sort_keys=False))
+            name = f"pdserve {router}" + (f" K={k}" if workers != [1] else "")
+            procs.start(name, [PY, "-m", "orchestrator", "--config", str(topo), "--log-level", "warning"],
+                        cores=a.router_cores)
+            urls[name] = f"http://127.0.0.1:{port}"
+            procs.wait_http(name, urls[name] + "/health", 60)
+            wait_group(urls[name], 60)
     if a.sglang_python and Path(a.sglang_python).exists():
         port, prom = free_port(), free_port()
         procs.start("sglang", [a.sglang_python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -85,6 +89,19 @@ def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
         procs.wait_http("sglang", urls["sglang-router (PD)"] + "/v1/models", 60)
         time.sleep(2.0)  # worker registration finishes in the background
     return urls
+
+
+def wait_group(url: str, timeout_s: float) -> None:
+    """With ``num_workers`` > 1: until every worker process has reported to the owner (then it serves)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs = httpx.get(url + "/cluster/status", timeout=5, trust_env=False).json().get("processes", [])
+        if all(p["alive"] and p.get("report_age_s", 9) < 1 for p in procs if p["index"]):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"orchestrator workers of {url} did not come up within {timeout_s:g} s")
 
 
 def run_one(url: str, argv: list[str]) -> dict:
@@ -140,6 +157,10 @@ def main() -> int:
     p.add_argument("--conc", type=int, default=32)
     p.add_argument("--pdserve-routers", default="round_robin,kv_cache_aware",
                    help="one pdserve orchestrator per policy (comma-separated)")
+    p.add_argument("--pdserve-workers", default="1",
+                   help="orchestrator.num_workers values, one orchestrator each (comma-separated, e.g. 1,2)")
+    p.add_argument("--router-cores", default="1", help="taskset cores of the routers (default 1)")
+    p.add_argument("--section", default="overhead", help="the docs/benchmarks.md section (and figure) written")
     p.add_argument("--wrk-seconds", type=int, default=8)
     p.add_argument("--wrk-threads", type=int, default=1)
     a = p.parse_args()
@@ -190,7 +211,8 @@ def main() -> int:
                      " / ".join(f"{m['request_throughput']:.0f}" for m in wrk[name])])
     table = md_table(["path", "TTFT p50 ms", "TTFT p99 ms", "added TTFT p50", "added TTFT p99", "added E2EL p50",
                       "added E2EL p99", "max req/s (python)", "max req/s (wrk)", "wrk runs"], rows)
-    plot(summary, FIGURES / "orchestrator_overhead.png")
+    figure = "orchestrator_overhead" if a.section == "overhead" else f"orchestrator_{a.section.replace('-', '_')}"
+    plot(summary, FIGURES / f"{figure}.png")
     direct_rps = summary["direct"][2]
     parts = [f"{n} adds {v[0]:+.1f} ms to TTFT at p50 ({v[1]:+.1f} ms at p99) and tops out at {v[2]:.0f} req/s "
              f"with wrk ({v[2] / direct_rps:.2f}× direct)" for n, v in summary.items() if n != "direct"]
@@ -198,15 +220,22 @@ def main() -> int:
                "ceiling of this setup (wrk and both fake workers share core 0), so a router near that number is "
                "not the bottleneck here.")
     cmd = " ".join(["python bench/orchestrator_overhead.py"] + sys.argv[1:])
-    body = f"""## Orchestrator overhead: direct vs pdserve orchestrator vs sglang-router (PD mode)
+    workers_note = "" if a.pdserve_workers == "1" else (
+        f" `K=k`: `orchestrator.num_workers: k`, k processes on one port (SO_REUSEPORT), all of them on "
+        f"core(s) {a.router_cores} (taskset is inherited).")
+    title = "Orchestrator overhead: direct vs pdserve orchestrator" + (
+        " vs sglang-router (PD mode)" if any(n.startswith("sglang") for n in lat) else "") + (
+        "" if a.pdserve_workers == "1" else f", orchestrator.num_workers {a.pdserve_workers}, routers on core(s) "
+        f"{a.router_cores}")
+    body = f"""## {title}
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 
 {conditions(load0)} CPU flags: {cpu_flags()}.
 
 The workers are `bench/fake_worker.py` (raw ASGI on uvicorn, answers at once, no model), so every
-millisecond above *direct* is the router's. Routers pinned to core 1, workers and the load
-generators to core 0. Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
+millisecond above *direct* is the router's. Routers pinned to core(s) {a.router_cores}, workers and the load
+generators to core 0.{workers_note} Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
 concurrency 1 ({a.latency_prompts} requests per run, Python client); max req/s at concurrency {a.conc}, rate inf,
 with the Python client ({a.throughput_prompts} requests per run) and with `wrk` ({a.wrk_threads} thread,
 {a.conc} keep-alive connections, {a.wrk_seconds} s per run; the Python client is one process that tops out
@@ -226,11 +255,11 @@ What each router does per request (be fair when reading the numbers):
 
 {table}
 
-![orchestrator overhead](figures/orchestrator_overhead.png)
+![orchestrator overhead](figures/{figure}.png)
 
 {reading}
 """
-    update_section("overhead", body)
+    update_section(a.section, body)
     print(table)
     return 0
 

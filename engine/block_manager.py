@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
+from engine.kv_event_log import KVEventLog
+
 
 class BlockManager:
     """Hands out block ids 0..num_blocks-1; each block holds block_size tokens of KV.
@@ -27,9 +29,11 @@ class BlockManager:
     match_prefix/share to reuse cached blocks, cache_block to offer a computed full block to the
     cache, deallocate to drop references, reset_prefix_cache to forget every hash.
     With ``enable_caching`` False nothing is ever cached: the allocator of before the cache.
+    ``events`` (optional) records every hash that enters or leaves the cache (KV events).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: KVEventLog | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -39,6 +43,7 @@ class BlockManager:
         self._hash: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
+        self.events = events
 
     # ---- counts ---------------------------------------------------------------------------
     @property
@@ -120,8 +125,10 @@ class BlockManager:
             self._ref[b] += 1
         return list(block_ids)
 
-    def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> bool:
-        """Offer a referenced, fully computed block to the cache under ``block_hash``.
+    def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int],
+                    parent_hash: bytes | None = None) -> bool:
+        """Offer a referenced, fully computed block to the cache under ``block_hash``
+        (``parent_hash``: the block before it in its chain, for the KV event; None at the root).
 
         False (nothing changes) when caching is off, the block is already cached, or another block
         already holds that hash (two requests computed the same prefix at once: the first stays).
@@ -136,6 +143,8 @@ class BlockManager:
         self._hash[block_id] = block_hash
         self._tokens[block_id] = tuple(token_ids)
         self._by_hash[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash)
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -146,13 +155,21 @@ class BlockManager:
             self._free.append(b)
         self._evictable.clear()
         for b in list(self._by_hash.values()):
-            self._forget(b)
+            self._forget(b, announce=False)
+        if self.events is not None:
+            self.events.cleared()
         return dropped
 
-    def _forget(self, block_id: int) -> None:
+    def held_hashes(self) -> list[bytes]:
+        """Every hash the cache holds now (the KV events snapshot)."""
+        return list(self._by_hash)
+
+    def _forget(self, block_id: int, announce: bool = True) -> None:
         h = self._hash[block_id]
         if h is not None and self._by_hash.get(h) == block_id:
             del self._by_hash[h]
+            if announce and self.events is not None:
+                self.events.removed(h)
         self._hash[block_id] = None
         self._tokens[block_id] = None
 

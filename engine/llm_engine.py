@@ -14,6 +14,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
+from engine.kv_event_log import KVEventLog
 from engine.kv_memory import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -27,6 +28,7 @@ from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMe
                        broadcast_message)
 from engine.validation import validate_request
 from pdserve.block_hash import BlockHasher
+from pdserve.kv_events import KVEventBatch, KVSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,9 @@ class LLMEngine:
             return
         self.tokenizer = Tokenizer.from_model_path(path, model.config.eos_token_ids)
         self.max_model_len = self._max_model_len()
+        self.kv_events = KVEventLog()  # rank 0 only: it owns the block manager
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.kv_events)
         self.hasher = BlockHasher(config.served_model_name or config.model, config.dtype,
                                   config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -103,6 +106,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash; returns how many unreferenced cached blocks were freed."""
         return self.block_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """What the prefix cache stored/removed since the last call, as the next numbered batch
+        (None: nothing). The engine loop calls it once per iteration (:mod:`pdserve.kv_events`)."""
+        return self.kv_events.take()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every cached block hash, valid at the last batch taken. Raises RuntimeError when events
+        are pending (take them first, so they are not lost)."""
+        return self.kv_events.snapshot(self.block_manager.held_hashes())
 
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request. Raises RequestValidationError when it cannot be served.

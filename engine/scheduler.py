@@ -134,7 +134,8 @@ class Scheduler:
             return
         hashes = seq.block_hashes()
         for i in range(seq.num_offered_blocks, full):
-            self.bm.cache_block(seq.block_ids[i], hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
+            self.bm.cache_block(seq.block_ids[i], hashes[i], seq.token_ids[i * bs:(i + 1) * bs],
+                                hashes[i - 1] if i else None)
         seq.num_offered_blocks = full
 
     def prefix_cache_stats(self) -> dict[str, int]:

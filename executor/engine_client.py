@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the engine (and torch) are only needed by implementations
     from engine.request import EngineRequest, RequestOutput
     from engine.tokenizer import Tokenizer
+    from executor.kv_event_hub import KVEventHub
+    from pdserve.kv_events import KVSnapshot
     from pdserve.protocol import DisaggregatedParams
 
 
@@ -43,6 +45,18 @@ class EngineClient(abc.ABC):
     Implementations must be usable from one asyncio event loop; they own the engine loop and stop
     it in :meth:`shutdown`.
     """
+
+    kv_events: "KVEventHub | None" = None  # the prefix cache's recent KV event batches (None: not published)
+
+    async def kv_snapshot(self) -> "KVSnapshot":
+        """Every block hash the prefix cache holds, valid at its ``seq`` (:mod:`pdserve.kv_events`).
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            TimeoutError: the engine did not answer within a bounded wait.
+            NotImplementedError: this client publishes no KV events.
+        """
+        raise NotImplementedError("this engine client publishes no KV events")
 
     @property
     @abc.abstractmethod

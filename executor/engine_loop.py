@@ -11,7 +11,8 @@ the zmq lanes (:class:`executor.lane_transport.LaneTransport`). Messages are the
 3. step the engine, unless stopping: ``on_pull`` for each KV pull, then the posts, then for each
    output ``on_output``, the posts it caused, then the output itself;
 4. push a stats snapshot if it changed (at most every ``stats_period_s``; a state change at once);
-5. send every lane its events, in the order they were produced.
+5. push the iteration's KV events (one numbered batch, :mod:`pdserve.kv_events`) to every lane;
+6. send every lane its events, in the order they were produced.
 
 Ordering rules (tested on both transports in ``tests/executor/test_engine_loop.py``):
 
@@ -27,7 +28,8 @@ Ordering rules (tested on both transports in ``tests/executor/test_engine_loop.p
 - An add while draining is answered with ``EngineNotServingError``; an add the engine refuses
   (``ValueError``) with that error; neither touches other requests.
 - Replies (lease release, stats) go to the caller's lane in the same flush as the outputs produced
-  before them.
+  before them. A KV snapshot reply follows every KV event batch it covers (pending events are
+  pushed as a batch first), so a frontend that sees the reply has seen every batch up to its ``seq``.
 - When the engine has work but its last step could not schedule anything (requests waiting for
   blocks while nothing runs, requests waiting for their KV pull) and nothing arrived since, the
   loop waits (bounded) instead of polling: only a command or a post can change that.
@@ -49,8 +51,8 @@ from engine.request import RequestOutput
 from executor.engine_client import EngineNotServingError, EngineState
 from executor.ipc import lane_of
 from executor.kv_role import RankShards, WorkerRole
-from executor.messages import (AbortRequest, AddRequest, Command, Drain, Event, Output, ReleaseLease, Reply,
-                               ResetPrefixCache, Shutdown, StatsQuery, StatsSnapshot)
+from executor.messages import (AbortRequest, AddRequest, Command, Drain, Event, KVEvents, KVSnapshotQuery, Output,
+                               ReleaseLease, Reply, ResetPrefixCache, Shutdown, StatsQuery, StatsSnapshot)
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -103,8 +105,8 @@ class EngineLoop:
         self._last_stats_t = 0.0
         self._handlers: dict[type, Callable] = {
             AddRequest: self._add, AbortRequest: self._abort, ReleaseLease: self._release,
-            StatsQuery: self._stats_query, ResetPrefixCache: self._reset_prefix_cache, Drain: self._drain,
-            Shutdown: self._shutdown}
+            StatsQuery: self._stats_query, ResetPrefixCache: self._reset_prefix_cache,
+            KVSnapshotQuery: self._kv_snapshot, Drain: self._drain, Shutdown: self._shutdown}
         self.role.start(engine, self, shards)
 
     # ---- WorkerOps (thread-safe) ----------------------------------------------------------
@@ -132,6 +134,7 @@ class EngineLoop:
                 if not self._stopping and self.engine.has_work() and not self._stalled:
                     self._step()
                 self._push_stats()
+                self._push_kv_events()
                 self._flush()
         finally:
             self.role.stop()
@@ -200,6 +203,10 @@ class EngineLoop:
     def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> None:
         self._reply(cmd.call_id, self.engine.reset_prefix_cache())
 
+    def _kv_snapshot(self, cmd: KVSnapshotQuery) -> None:
+        self._push_kv_events()  # the snapshot's seq must cover everything it holds
+        self._reply(cmd.call_id, self.engine.kv_snapshot())
+
     def _drain(self, cmd: Drain) -> None:
         if self.state == EngineState.SERVING:
             self.state = EngineState.DRAINING
@@ -231,6 +238,12 @@ class EngineLoop:
             self._last_stats = stats
             for lane in range(self.transport.num_lanes):
                 self._out[lane].append(StatsSnapshot(stats))
+
+    def _push_kv_events(self) -> None:
+        batch = self.engine.take_kv_events()
+        if batch is not None:
+            for lane in range(self.transport.num_lanes):
+                self._out[lane].append(KVEvents(batch))
 
     def _stats(self) -> dict:
         return {**self.engine.stats(), "running_requests": len(self._owner), "state": self.state.value,

@@ -145,6 +145,8 @@ class LifecycleServer(uvicorn.Server):
         try:
             await super().main_loop()
         finally:
+            if self.lifecycle.client.kv_events is not None:
+                self.lifecycle.client.kv_events.close()  # end GET /kv_events streams before the graceful shutdown waits
             watcher.cancel()
             try:
                 await watcher

@@ -1,9 +1,10 @@
 """The executor's IPC messages: every message between a frontend and the engine loop, defined once.
 
 Frontend → engine loop (:data:`Command`): :class:`AddRequest`, :class:`AbortRequest`,
-:class:`ReleaseLease`, :class:`StatsQuery`, :class:`ResetPrefixCache`, :class:`Drain`, :class:`Shutdown`.
+:class:`ReleaseLease`, :class:`StatsQuery`, :class:`ResetPrefixCache`, :class:`KVSnapshotQuery`,
+:class:`Drain`, :class:`Shutdown`.
 Engine loop → frontend (:data:`Event`): :class:`Output`, :class:`Reply`, :class:`StatsSnapshot`,
-:class:`EngineDead`.
+:class:`KVEvents`, :class:`EngineDead`.
 Worker rank → proxy at start-up (:data:`Handshake`): :class:`RankHello`, :class:`RankFailed`,
 :class:`RankReady`, and the proxy's :class:`Ack`.
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from engine.request import EngineRequest
+    from pdserve.kv_events import KVEventBatch
     from pdserve.protocol import DisaggregatedParams
 
 
@@ -65,6 +67,14 @@ class ResetPrefixCache:
 
 
 @dataclass(frozen=True)
+class KVSnapshotQuery:
+    """Ask for every cached block hash; answered by a :class:`Reply` (a
+    :class:`pdserve.kv_events.KVSnapshot`) on ``call_id``'s lane, after the KV event batches it covers."""
+
+    call_id: int
+
+
+@dataclass(frozen=True)
 class Drain:
     """Stop admitting new requests (serving → draining); in-flight ones finish."""
 
@@ -76,8 +86,9 @@ class Shutdown:
     reason: str = "shutdown requested"
 
 
-Command = Union[AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, Drain, Shutdown]
-COMMANDS = (AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, Drain, Shutdown)  # for isinstance checks
+Command = Union[AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, KVSnapshotQuery, Drain, Shutdown]
+COMMANDS = (AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, KVSnapshotQuery, Drain,
+            Shutdown)  # for isinstance checks
 
 
 # ---- engine loop → frontend ----------------------------------------------------------------------
@@ -106,13 +117,20 @@ class StatsSnapshot:
 
 
 @dataclass(frozen=True)
+class KVEvents:
+    """One engine step's prefix-cache events, pushed to every lane (each frontend serves ``GET /kv_events``)."""
+
+    batch: "KVEventBatch"
+
+
+@dataclass(frozen=True)
 class EngineDead:
     """The engine loop failed: the engine is dead for good."""
 
     reason: str
 
 
-Event = Union[Output, Reply, StatsSnapshot, EngineDead]
+Event = Union[Output, Reply, StatsSnapshot, KVEvents, EngineDead]
 
 
 # ---- start-up handshake (worker rank → proxy, DEALER → ROUTER) ------------------------------------

@@ -64,6 +64,9 @@ class RoleStatsCollector:
                                  "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)"),
         "prefix_cache_hits": ("pdserve_prefix_cache_hits",
                               "Prompt tokens found in the prefix cache (vLLM's prefix_cache_hits)"),
+        "kv_events_dropped_batches": ("pdserve_kv_events_dropped_batches",
+                                      "KV event batches that fell off this frontend's buffer (a slow reader "
+                                      "then gets a gap and resyncs)"),
     }
 
     def __init__(self, stats) -> None:

@@ -3,7 +3,8 @@
 A :class:`WorkerClient` turns the EngineClient calls into :mod:`executor.messages` commands (sent
 by the subclass's ``_send``: a queue in process, a zmq PUSH in the lattice) and routes the engine
 loop's events back: outputs to the request's stream, replies to the waiting control call, stats
-snapshots to :meth:`stats`, ``EngineDead`` to the sticky dead state. :meth:`dispatch` is
+snapshots to :meth:`stats`, KV event batches to :attr:`kv_events` (the frontend's
+:class:`executor.kv_event_hub.KVEventHub`), ``EngineDead`` to the sticky dead state. :meth:`dispatch` is
 thread-safe (called by a lane's receiver thread or by the in-process loop thread).
 """
 
@@ -17,12 +18,14 @@ from typing import TYPE_CHECKING
 
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.ipc import make_client_id
-from executor.messages import (AbortRequest, AddRequest, Command, Drain, EngineDead, Event, Output, ReleaseLease,
-                               Reply, ResetPrefixCache, StatsQuery, StatsSnapshot)
+from executor.kv_event_hub import KVEventHub
+from executor.messages import (AbortRequest, AddRequest, Command, Drain, EngineDead, Event, KVEvents, KVSnapshotQuery,
+                               Output, ReleaseLease, Reply, ResetPrefixCache, StatsQuery, StatsSnapshot)
 from executor.streams import StreamRegistry
 
 if TYPE_CHECKING:
     from engine.request import EngineRequest
+    from pdserve.kv_events import KVSnapshot
     from pdserve.protocol import DisaggregatedParams
 
 REPLY_TIMEOUT_S = 10.0  # a control call (lease release) waits at most this long for the engine loop
@@ -38,6 +41,7 @@ class WorkerClient(EngineClient):
         self._requests = StreamRegistry(state)
         self._calls: dict[int, asyncio.Future] = {}
         self._stats: dict = {"free_blocks": 0, "total_blocks": 0}
+        self.kv_events = KVEventHub()
 
     @abc.abstractmethod
     def _send(self, cmd: Command) -> None:
@@ -57,7 +61,7 @@ class WorkerClient(EngineClient):
         return self._requests.dead_reason
 
     def stats(self) -> dict:
-        return {**self._stats, **self._stats_extra()}
+        return {**self._stats, **self._stats_extra(), **self.kv_events.stats()}
 
     async def generate(self, request: "EngineRequest",
                        disagg: "DisaggregatedParams | None" = None) -> AsyncIterator[object]:
@@ -81,12 +85,20 @@ class WorkerClient(EngineClient):
     async def fresh_stats(self) -> dict:
         if self.state == EngineState.DEAD:
             return self.stats()
-        return {**await self._call(StatsQuery, timeout_s=STATS_TIMEOUT_S), **self._stats_extra()}
+        return {**await self._call(StatsQuery, timeout_s=STATS_TIMEOUT_S), **self._stats_extra(),
+                **self.kv_events.stats()}
 
     async def reset_prefix_cache(self) -> int:
         if self.state == EngineState.DEAD:
             raise EngineDeadError(f"engine is dead: {self.dead_reason}")
         return int(await self._call(ResetPrefixCache))
+
+    async def kv_snapshot(self) -> "KVSnapshot":
+        """Every block hash the prefix cache holds, valid at its ``seq``: every batch up to it has
+        reached :attr:`kv_events` when this returns. Raises EngineDeadError, TimeoutError."""
+        if self.state == EngineState.DEAD:
+            raise EngineDeadError(f"engine is dead: {self.dead_reason}")
+        return await self._call(KVSnapshotQuery)  # type: ignore[return-value]
 
     async def _call(self, make: Callable[[int], Command], timeout_s: float = REPLY_TIMEOUT_S) -> object:
         """A request/reply with the engine loop: ``make(call_id)`` is the command; bounded by
@@ -111,6 +123,8 @@ class WorkerClient(EngineClient):
             stream = self._requests.get(event.request_id)
             if stream is not None:
                 stream.put(event.item)
+        elif isinstance(event, KVEvents):
+            self.kv_events.publish(event.batch)
         elif isinstance(event, StatsSnapshot):
             self._stats = event.stats
             if event.stats.get("state") == EngineState.DRAINING.value:

@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.host:
         topology = topology.model_copy(update={"orchestrator": topology.orchestrator.model_copy(update={"host": args.host})})
     s = topology.orchestrator
+    if s.num_workers > 1:  # K processes on the port; process 0 (this one) owns the control plane
+        from .group_main import run_owner
+
+        return run_owner(topology, args.config, args.log_level)
     # No access-log line per request (the request metrics count them); uvicorn's "auto" loop and
     # parser are uvloop and httptools, which uvicorn[standard] installs.
     uvicorn.run(create_app(topology, config_path=args.config), host=s.host, port=s.port, log_level=args.log_level,

@@ -35,7 +35,13 @@ from .front import OPENAI_PATHS, serve_openai
 from .h1client import H1Client
 from .httpx_upstream import HttpxUpstream
 from .metrics import Metrics
+from .owner import OwnerSide
+from .process_group import ProcessSpec, tag_answers
+from .worker import WorkerSide
 from .fleet import Backend, Fleet, ScaleError
+from .kv_feed import KVEventFeeds, httpx_opener
+from .kv_index import KVIndexes
+from .kv_selfcheck import HitSelfCheck
 from .pools import ROLES, ClusterPools, HealthPoller
 from .prefix_admin import add_prefix_cache_routes
 from .prompt_tokens import PromptTokenizer
@@ -47,6 +53,7 @@ from .validation import validation_message
 log = logging.getLogger("orchestrator.app")
 
 SHUTDOWN_TIMEOUT_S = 5.0
+KV_EVENTS_READ_TIMEOUT_S = 5.0  # servers send a heartbeat every second; 5 s of silence is a broken stream
 
 
 class Orchestrator:
@@ -59,13 +66,17 @@ class Orchestrator:
     """
 
     def __init__(self, topology: Topology, transport: httpx.AsyncBaseTransport | None = None,
-                 config_path: str | Path | None = None, backend: Backend | None = None) -> None:
+                 config_path: str | Path | None = None, backend: Backend | None = None,
+                 group: ProcessSpec | None = None, group_payload: dict | None = None) -> None:
         self.topology = topology
         self.settings = topology.orchestrator
         self.config_path = config_path
         self.pools = ClusterPools.from_topology(topology)
-        self.routers: dict[str, Router] = make_routers(topology)
+        self.kv_indexes = KVIndexes()  # what each member's KV events say it holds
+        self.routers: dict[str, Router] = make_routers(topology, self.kv_indexes)
         self.metrics = Metrics()
+        self.selfcheck = HitSelfCheck(self.kv_indexes, topology.pool_engine("ctx").block_size, self.metrics.registry)
+        self.kv_feeds: KVEventFeeds | None = None
         self.tasks = TaskOwner()
         self.admission = Admission(self.settings.max_inflight_requests, self.settings.retry_after_s)
         self.upstream: H1Client | HttpxUpstream | None = None
@@ -80,6 +91,15 @@ class Orchestrator:
         # read once here, so an exported-nowhere key fails at start (MissingApiKey), not per request.
         self.api_key = load_api_key(self.settings.api_key_env)
         self.upstream_auth = {role: bearer_headers(load_api_key(topology.pool(role).api_key_env)) for role in ROLES}
+        # orchestrator.num_workers > 1: this process's part of the group (None: the one process).
+        self.side: OwnerSide | WorkerSide | None = None
+        if group is not None:
+            self.side = OwnerSide(self, group, group_payload or {}) if group.is_owner else WorkerSide(self, group)
+
+    @property
+    def wants_kv_events(self) -> bool:
+        """Whether a pool routes on held blocks (then every member's KV events are followed)."""
+        return any(self.topology.pool_router(role) == "kv_cache_aware" for role in ROLES)
 
     @property
     def needs_tokens(self) -> bool:
@@ -101,8 +121,15 @@ class Orchestrator:
         self.upstream = H1Client(s.connect_timeout_s) if self._transport is None else HttpxUpstream(self.client)
         ctx_engine = self.topology.pool_engine("ctx")
         self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
-                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype,
-                               self.upstream_auth)
+                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck,
+                               auth=self.upstream_auth)
+        if self.wants_kv_events:  # every process routes, so each follows the KV events itself
+            opener = httpx_opener(self.client, s.connect_timeout_s, KV_EVENTS_READ_TIMEOUT_S)
+            self.kv_feeds = KVEventFeeds(self.pools, self.kv_indexes, opener, min(s.health_interval_s, 0.5))
+            self.kv_feeds.start()
+        if isinstance(self.side, WorkerSide):  # membership, polls and launching are the owner's
+            await self.side.start()
+            return
         backend = self._backend or make_backend(self.topology, self.config_path)
         if backend is not None:
             self.fleet = Fleet(self.topology, self.pools, backend, self.client, self.tasks)
@@ -110,12 +137,18 @@ class Orchestrator:
                 self.fleet.expect_started(s.startup_timeout_s)
             self.fleet.start()
         self.poller.start()
+        if self.side is not None:
+            self.side.start()
 
     async def stop(self) -> None:
-        # Order: stop polling, stop launched servers, let pending lease releases finish, then
-        # close the client they use.
+        # Order: stop the other orchestrator processes (or this worker's feed), stop polling, stop
+        # launched servers, let pending lease releases finish, then close the client they use.
+        if self.side is not None:
+            await self.side.stop()
         if self.poller is not None:
             await self.poller.stop()
+        if self.kv_feeds is not None:
+            await self.kv_feeds.stop(SHUTDOWN_TIMEOUT_S)
         if self.fleet is not None:
             await self.fleet.stop()
         await self.tasks.close(SHUTDOWN_TIMEOUT_S)
@@ -124,6 +157,11 @@ class Orchestrator:
         if self.client is not None:
             await self.client.aclose()
 
+    def render_metrics(self) -> bytes:
+        """This process's own Prometheus exposition (the pool gauges refreshed first)."""
+        targets = self.fleet.targets if self.fleet is not None else None
+        return self.metrics.render(self.pools, targets)
+
     def status(self) -> dict:
         pools = {}
         for role in ROLES:
@@ -131,12 +169,21 @@ class Orchestrator:
             p = self.topology.pool(role)
             info = {"router": self.topology.pool_router(role), "min_instances": p.min_instances,
                     "max_instances": p.max_instances, "ready": len(pool.ready()),
-                    "in_flight": sum(s.in_flight for s in pool.servers), "servers": [s.status() for s in pool.servers]}
+                    "in_flight": sum(s.in_flight for s in pool.servers),
+                    "servers": [self._server_status(s) for s in pool.servers],
+                    "kv_hits": self.selfcheck.pools[role].as_dict()}
             if self.fleet is not None:
                 info.update(self.fleet.pool_status(role))
             pools[role] = info
-        return {"model": self.topology.model.name, "launcher": self.topology.launcher.kind,
-                "ready": self.pools.not_ready_reason() is None, "pools": pools}
+        out = {"model": self.topology.model.name, "launcher": self.topology.launcher.kind,
+               "ready": self.pools.not_ready_reason() is None, "pools": pools}
+        if isinstance(self.side, OwnerSide):
+            out["processes"] = self.side.status()
+        return out
+
+    def _server_status(self, server) -> dict:
+        index = self.kv_indexes.find(server.url) if self.kv_feeds is not None else None
+        return {**server.status(), "kv_index": index.status() if index is not None else None}
 
 
 def make_backend(topology: Topology, config_path: str | Path | None) -> Backend | None:
@@ -152,9 +199,12 @@ def make_backend(topology: Topology, config_path: str | Path | None) -> Backend 
 
 
 def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None = None,
-               config_path: str | Path | None = None, backend: Backend | None = None) -> FastAPI:
-    """The orchestrator app for ``topology``. ``transport`` replaces the network (tests)."""
-    orch = Orchestrator(topology, transport, config_path, backend)
+               config_path: str | Path | None = None, backend: Backend | None = None,
+               group: ProcessSpec | None = None, group_payload: dict | None = None) -> FastAPI:
+    """The orchestrator app for ``topology``. ``transport`` replaces the network (tests).
+    ``group``: this process's place in a group of ``orchestrator.num_workers`` processes
+    (:mod:`orchestrator.process_group`; ``group_payload``: what the owner starts workers with)."""
+    orch = Orchestrator(topology, transport, config_path, backend, group, group_payload)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -207,6 +257,11 @@ class OrchestratorApp(FastAPI):
             if (body := refusal(scope["headers"], key)) is not None:
                 self.orchestrator.metrics.errors.labels(kind="unauthorized").inc()
                 return await send_refusal(send, body)
+        side = self.orchestrator.side
+        if side is not None and scope["type"] == "http":  # one of K processes (K = 1 never gets here)
+            send = tag_answers(send, side.spec.index)
+            if await side.handle(scope, receive, send):
+                return
         if scope["type"] == "http" and scope["path"] in OPENAI_PATHS:
             if scope["method"] == "POST":
                 await serve_openai(self.orchestrator, scope, receive, send)
@@ -241,8 +296,7 @@ def add_cluster_routes(app: FastAPI, orch: Orchestrator) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        targets = orch.fleet.targets if orch.fleet is not None else None
-        return Response(orch.metrics.render(orch.pools, targets), media_type=orch.metrics.content_type)
+        return Response(orch.render_metrics(), media_type=orch.metrics.content_type)
 
 
 class WorkerRegistration(BaseModel):

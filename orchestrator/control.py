@@ -68,20 +68,54 @@ def fetch_status(url: str) -> dict:
 
 
 def status_table(status: dict) -> Table:
+    """Pools and servers; a "kv index" column and a "prefix hits" line per pool (the caption) when
+    the orchestrator follows KV events (a ``kv_cache_aware`` pool)."""
     table = Table(title=f"pdserve cluster: {status['model']} ({'ready' if status['ready'] else 'NOT READY'}, "
                         f"launcher {status['launcher']})")
-    for col in ("pool", "server", "url", "source", "state", "in flight", "served", "last error"):
+    kv = any(s.get("kv_index") is not None for pool in status["pools"].values() for s in pool["servers"])
+    cols = ("pool", "server", "url", "source", "state", "in flight", "served") + (("kv index",) if kv else ()) \
+        + ("last error",)
+    for col in cols:
         table.add_column(col, overflow="fold")
     for role, pool in status["pools"].items():
         size = f"target {pool['target']}" if "target" in pool else f"min {pool['min_instances']}"
         head = f"{role} ({pool['ready']} ready, {size}, {pool['router']})"
         if not pool["servers"]:
-            table.add_row(head, "-", "-", "-", "no members", "0", "0", "")
+            table.add_row(head, "-", "-", "-", "no members", "0", "0", *([""] if kv else []), "")
         for i, s in enumerate(pool["servers"]):
             table.add_row(head if i == 0 else "", s["name"], s["url"], s["source"], s["state"], str(s["in_flight"]),
-                          str(s["served"]), s["last_error"] or "")
+                          str(s["served"]), *([kv_index_cell(s.get("kv_index"))] if kv else []), s["last_error"] or "")
         table.add_section()
+    if kv:
+        table.caption = "\n".join(f"{role} prefix hits: {kv_hits_cell(pool['kv_hits'])}"
+                                   for role, pool in status["pools"].items() if pool.get("kv_hits", {}).get("requests"))
     return table
+
+
+def kv_index_cell(index: dict | None) -> str:
+    """``synced 42 blocks (seq 7)``, ``load-only: <why>``, or empty when KV events are not followed."""
+    if index is None:
+        return ""
+    if index["synced"]:
+        return f"synced {index['blocks']} blocks (seq {index['seq']})"
+    return f"load-only: {index['reason']}"
+
+
+def kv_hits_cell(hits: dict) -> str:
+    """The router's self-check of one pool: predicted vs reported prefix-cache hit tokens."""
+    return (f"predicted {hits['predicted_hit_tokens']} / reported {hits['reported_hit_tokens']} hit tokens "
+            f"of {hits['prompt_tokens']} prompt tokens ({hits['requests']} requests, "
+            f"{hits['unindexed']} routed without an index)")
+
+
+def processes_line(status: dict) -> str | None:
+    """One line naming the orchestrator's processes (``orchestrator.num_workers`` > 1), else None."""
+    if not status.get("processes"):
+        return None
+    return "orchestrator processes: " + "; ".join(
+        f"{p['index']} {p['role']} pid {p['pid']}" + ("" if p["alive"] else " DEAD")
+        + (f" ({p['restarts']} restarts, {p.get('in_flight', 0)} in flight)" if p["role"] == "worker" else "")
+        for p in status["processes"])
 
 
 def cmd_status(url: str, as_json: bool) -> int:
@@ -91,7 +125,10 @@ def cmd_status(url: str, as_json: bool) -> int:
 
         print(json.dumps(status, indent=2))
     else:
-        Console(width=160).print(status_table(status))
+        console = Console(width=160)
+        console.print(status_table(status))
+        if (line := processes_line(status)) is not None:
+            console.print(line)
     return 0 if status["ready"] else 3
 
 
@@ -141,7 +178,10 @@ def cmd_scale(url: str, args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         status = fetch_status(url)
         if settled(status, sizes):
-            Console(width=160).print(status_table(status))
+            console = Console(width=160)
+        console.print(status_table(status))
+        if (line := processes_line(status)) is not None:
+            console.print(line)
             return 0
         time.sleep(0.5)
     print(f"error: the pools did not settle within {args.timeout:g} s", file=sys.stderr)

@@ -25,6 +25,7 @@ from . import jsonio
 from .ctx_answer import parse_ctx_answer
 from .errors import OrchestratorError
 from .h1client import H1Client
+from .kv_selfcheck import HitSelfCheck, reported_hit
 from .metrics import Metrics
 from .pools import ClusterPools, Server
 from .relay import StreamRelay
@@ -61,6 +62,8 @@ class Exchange:
     session: str | None = None     # session-affinity key (header or `user` field), when configured
     disagg_request_id: str = field(default_factory=lambda: f"disagg-{uuid.uuid4().hex}")
     started_s: float = field(default_factory=time.monotonic)
+    hint: RouteHint | None = None  # what the routers know about the prompt (set by DisaggFlow.handle)
+    colocated: bool = False        # runs both phases on one gen server (conditional disaggregation)
 
     @property
     def stream(self) -> bool:
@@ -89,7 +92,8 @@ class DisaggFlow:
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
                  tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
-                 dtype: str = "", auth: dict[str, tuple[tuple[str, str], ...]] | None = None) -> None:
+                 dtype: str = "", selfcheck: HitSelfCheck | None = None,
+                 auth: dict[str, tuple[tuple[str, str], ...]] | None = None) -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -99,6 +103,7 @@ class DisaggFlow:
         self._tokenizer = tokenizer
         self._block_size = block_size
         self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
+        self._selfcheck = selfcheck  # predicted vs reported prefix-cache hits (None: not kept)
         self._auth = auth or {}  # per pool: the Authorization header its servers require (pools.<role>.api_key_env)
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
@@ -118,7 +123,7 @@ class DisaggFlow:
         if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
             raise OrchestratorError(503, f"no ready gen server ({self._pools.not_ready_reason()})",
                                     kind="gen_failed", type_="service_unavailable")
-        hint = await self._route_hint(ex)
+        hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
@@ -172,6 +177,7 @@ class DisaggFlow:
 
     async def _colocated(self, ex: Exchange, hint: RouteHint | None) -> Response:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
+        ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
         body = jsonio.dumps(ex.body)
         if ex.stream:
@@ -220,7 +226,16 @@ class DisaggFlow:
             msg = f"{phase} impossible: no ready {role} server ({self._pools.not_ready_reason() or 'all tried'})"
         raise OrchestratorError(503, msg, kind=f"{role}_failed", type_="service_unavailable")
 
+    def _predict(self, server: Server, hint: RouteHint | None) -> int | None:
+        """Hit tokens the KV index predicts on ``server`` now (call before the first await: at pick time)."""
+        return None if self._selfcheck is None else self._selfcheck.predict(server.url, hint)
+
+    def _check_hits(self, role: Role, ex: Exchange, predicted: int | None, answer: object) -> None:
+        if self._selfcheck is not None:
+            self._selfcheck.record(role, ex.hint, predicted, reported_hit(answer))
+
     async def _context_attempt(self, ex: Exchange, server: Server) -> dict:
+        predicted = self._predict(server, ex.hint)
         body = {**ex.body, "stream": False,
                 "disaggregated_params": {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}}
         body.pop("stream_options", None)
@@ -232,18 +247,22 @@ class DisaggFlow:
         except ValueError:
             raise AttemptFailed("ctx answer is not JSON") from None
         check_ctx_answer(answer)
+        self._check_hits("ctx", ex, predicted, answer)
         return answer
 
     async def _gen_json_attempt(self, ex: Exchange, server: Server, body: bytes) -> Response:
+        predicted = self._predict(server, ex.hint) if ex.colocated else None
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
                                       "gen", ex.request_id, self._auth.get("gen", ()))
         try:
-            ok = isinstance(jsonio.loads(raw), dict)
+            answer = jsonio.loads(raw)
         except ValueError:
-            ok = False
-        if not ok:
+            answer = None
+        if not isinstance(answer, dict):
             raise AttemptFailed("gen answer is not a JSON object")
+        if ex.colocated:  # the gen server computed the prompt: its hit is its own
+            self._check_hits("gen", ex, predicted, answer)
         return self._json_response(ex, raw)  # relayed as the server wrote it
 
     async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: bytes,

@@ -55,6 +55,10 @@ class Metrics:
                                     "Requests the orchestrator has open on the pool's servers", ["pool"], registry=r)
         self.pool_target = Gauge("pdserve_orchestrator_pool_target_instances",
                                  "Target size of the pool (launched clusters)", ["pool"], registry=r)
+        self.processes = Gauge("pdserve_orchestrator_processes",
+                               "Orchestrator processes whose series this exposition sums (orchestrator.num_workers)",
+                               registry=r)
+        self.processes.set(1)
 
     def child(self, metric: Counter | Histogram, *labels: str):
         """``metric.labels(*labels)``, cached: the hot path records ~8 samples per request and
@@ -72,7 +76,8 @@ class Metrics:
             counts = pool.counts()
             for st in ServerState:
                 self.pool_servers.labels(pool=role, state=st.value).set(counts[st.value])
-            self.pool_in_flight.labels(pool=role).set(sum(s.in_flight for s in pool.servers))
+            # This process's own requests only: /metrics of several processes sums them.
+            self.pool_in_flight.labels(pool=role).set(sum(s.local_in_flight for s in pool.servers))
             if targets is not None:
                 self.pool_target.labels(pool=role).set(targets[role])
         return generate_latest(self.registry)

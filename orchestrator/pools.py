@@ -54,14 +54,17 @@ class ServerState(str, enum.Enum):
 
 @dataclass
 class Server:
-    """One pool member. ``in_flight`` counts requests the orchestrator has open on it."""
+    """One pool member. ``in_flight`` counts requests the orchestrator has open on it: those of
+    this process (``local_in_flight``) plus, with ``orchestrator.num_workers`` > 1, those the other
+    orchestrator processes reported (``remote_in_flight``, set by :mod:`orchestrator.feed`)."""
 
     role: Role
     index: int
     url: str
     source: Source = "static"
     state: ServerState = ServerState.UNKNOWN
-    in_flight: int = 0
+    local_in_flight: int = 0
+    remote_in_flight: int = 0
     served: int = 0
     failures: int = 0                       # consecutive failed health polls
     last_error: str | None = None
@@ -78,6 +81,16 @@ class Server:
     @property
     def name(self) -> str:
         return f"{self.role}[{self.index}]"
+
+    @property
+    def in_flight(self) -> int:
+        """Requests open on this server from every orchestrator process (what routers compare)."""
+        return self.local_in_flight + self.remote_in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        # Only this process's own count changes: ``in_flight += 1`` opens one request here.
+        self.local_in_flight += value - self.in_flight
 
     @property
     def draining(self) -> bool:
@@ -130,6 +143,22 @@ class Server:
         """Record the context window a server reported (``/server_info`` or its registration)."""
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             self.max_model_len = value
+
+    def snapshot(self) -> dict:
+        """What another orchestrator process needs to route to this member (JSON-able; the
+        wire format of :mod:`orchestrator.feed`)."""
+        return {"role": self.role, "index": self.index, "url": self.url, "source": self.source,
+                "state": self.state.value, "failures": self.failures, "last_error": self.last_error,
+                "instance_id": self.instance_id, "kv_layout": self.kv_layout, "layout_ok": self.layout_ok,
+                "max_model_len": self.max_model_len}
+
+    def apply_snapshot(self, snap: dict) -> None:
+        """Take the owner's view of this member (:meth:`snapshot`); local counters are kept."""
+        self.index, self.source = int(snap["index"]), snap["source"]
+        self.state = ServerState(snap["state"])
+        self.failures, self.last_error = int(snap["failures"]), snap["last_error"]
+        self.instance_id, self.kv_layout = snap["instance_id"], snap["kv_layout"]
+        self.layout_ok, self.max_model_len = bool(snap["layout_ok"]), snap["max_model_len"]
 
     def status(self) -> dict:
         return {"name": self.name, "url": self.url, "source": self.source, "state": self.state.value,

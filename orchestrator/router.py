@@ -10,10 +10,11 @@ orchestrator knows about the prompt (its KV block hashes); routers that do not n
 * ``power_of_two``: two candidates drawn at random, the one with fewer in-flight requests wins
   (Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing", 2001): near
   least-loaded balance without every picker herding onto the same idle server.
-* ``kv_cache_aware``: the server whose recent requests share the longest prefix of KV blocks with
-  this prompt (its prefix cache / parked blocks are likely warm there), ties broken by load; when
-  that server has ``balance_threshold`` more in-flight requests than the least loaded one, or the
-  best match covers less than ``min_match_ratio`` (half) of the prompt's blocks, load wins. Each server's block hashes are kept in a bounded LRU.
+* ``kv_cache_aware``: the server that holds the longest prefix of this prompt's KV blocks, by the
+  blocks its prefix cache reported through its KV events (:mod:`orchestrator.kv_index`; a server
+  without a synced index counts as holding none: load-only), ties broken by load; when that server
+  has ``balance_threshold`` more in-flight requests than the least loaded one, or the best match
+  covers less than ``min_match_ratio`` (half) of the prompt's blocks, load wins (least loaded).
 
 Session affinity (``orchestrator.session_affinity``) wraps any of them: a request whose hint
 names a session goes to the server that session last used while that server is a candidate and
@@ -25,15 +26,15 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.block_hash import BlockHasher
 from pdserve.config import Topology
 
+from .kv_index import KVIndexes
 from .pools import Pool, Server
 
-MAX_TRACKED_BLOCKS = 65536  # per server
 MAX_TRACKED_SESSIONS = 65536  # per pool
 
 
@@ -150,65 +151,43 @@ class SessionAffinityRouter:
         return best
 
 
-@dataclass
-class _Seen:
-    blocks: OrderedDict = field(default_factory=OrderedDict)
-
-    def match(self, hashes: tuple[int, ...]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.blocks:
-                break
-            n += 1
-        return n
-
-    def add(self, hashes: tuple[int, ...]) -> None:
-        for h in hashes:
-            self.blocks[h] = None
-            self.blocks.move_to_end(h)
-        while len(self.blocks) > MAX_TRACKED_BLOCKS:
-            self.blocks.popitem(last=False)
-
-
 class KVCacheAwareRouter:
-    """Prefix block-hash affinity, ties broken by load (see the module docstring)."""
+    """Scores servers by the prefix blocks they actually hold against their load (module docstring).
+
+    ``indexes`` holds what each server's KV events say it holds (:mod:`orchestrator.kv_index`); a
+    server without a synced index scores on load only (match 0) until it resynchronizes.
+    """
 
     needs_tokens = True
 
-    def __init__(self, balance_threshold: int = 4, min_match_ratio: float = 0.5) -> None:
+    def __init__(self, indexes: KVIndexes, balance_threshold: int = 4, min_match_ratio: float = 0.5) -> None:
+        self.indexes = indexes
         self.balance_threshold = balance_threshold
         self.min_match_ratio = min_match_ratio
-        self._seen: dict[str, _Seen] = {}
         self._fallback = LeastLoadedRouter()
 
     def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
         candidates = _candidates(pool, exclude)
         if not candidates:
             return None
-        self._forget_gone(pool)
         if hint is None or not hint.block_hashes:
             return self._fallback.pick(pool, exclude)
         low = min(s.in_flight for s in candidates)
-        scored = [(self._seen.setdefault(s.url, _Seen()).match(hint.block_hashes), -s.in_flight, s)
-                  for s in candidates]
+        scored = [(self.indexes.matched_blocks(s.url, hint.block_hashes) or 0, -s.in_flight, s) for s in candidates]
         match, neg_load, best = max(scored, key=lambda t: (t[0], t[1]))
         # A short shared head (a chat template, a one-line system prompt) is not worth affinity:
         # below min_match_ratio of the prompt's blocks, load decides.
-        if match < self.min_match_ratio * len(hint.block_hashes) or -neg_load - low > self.balance_threshold:
-            best = self._fallback.pick(pool, exclude)
-        self._seen.setdefault(best.url, _Seen()).add(hint.block_hashes)
+        if (match == 0 or match < self.min_match_ratio * len(hint.block_hashes)
+                or -neg_load - low > self.balance_threshold):
+            return self._fallback.pick(pool, exclude)
         return best
 
-    def _forget_gone(self, pool: Pool) -> None:
-        if len(self._seen) > 4 * max(1, len(pool.servers)) + 16:
-            live = {s.url for s in pool.servers}
-            for url in [u for u in self._seen if u not in live]:
-                del self._seen[url]
 
-
-def make_router(name: str, balance_threshold: int = 4, session_affinity: bool = False) -> Router:
+def make_router(name: str, balance_threshold: int = 4, session_affinity: bool = False,
+                indexes: KVIndexes | None = None) -> Router:
     """The router called ``name`` (wrapped in :class:`SessionAffinityRouter` when
-    ``session_affinity``). Raises ValueError for an unknown name."""
+    ``session_affinity``); ``kv_cache_aware`` reads ``indexes`` (a fresh, empty one when None).
+    Raises ValueError for an unknown name."""
     if name == "round_robin":
         router: Router = RoundRobinRouter()
     elif name == "least_loaded":
@@ -216,15 +195,16 @@ def make_router(name: str, balance_threshold: int = 4, session_affinity: bool = 
     elif name == "power_of_two":
         router = PowerOfTwoRouter()
     elif name == "kv_cache_aware":
-        router = KVCacheAwareRouter(balance_threshold)
+        router = KVCacheAwareRouter(indexes if indexes is not None else KVIndexes(), balance_threshold)
     else:
         raise ValueError(f"unknown router {name!r} (round_robin, least_loaded, power_of_two, kv_cache_aware)")
     return SessionAffinityRouter(router, balance_threshold) if session_affinity else router
 
 
-def make_routers(topology: Topology) -> dict[str, Router]:
-    """One router per pool, as ``pools.<role>.router`` (default ``orchestrator.router``) says."""
+def make_routers(topology: Topology, indexes: KVIndexes | None = None) -> dict[str, Router]:
+    """One router per pool, as ``pools.<role>.router`` (default ``orchestrator.router``) says;
+    ``kv_cache_aware`` ones share ``indexes`` (the KV event feeds fill it)."""
     s = topology.orchestrator
     affinity = s.session_affinity != "none"
-    return {role: make_router(topology.pool_router(role), s.kv_aware_balance_threshold, affinity)
+    return {role: make_router(topology.pool_router(role), s.kv_aware_balance_threshold, affinity, indexes)
             for role in ("ctx", "gen")}

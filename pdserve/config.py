@@ -183,6 +183,9 @@ class OrchestratorSettings(StrictModel):
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                     description="environment variable holding the API key clients must send "
                                     "(Authorization: Bearer) on the OpenAI routes; unset = open")
+    num_workers: int = Field(1, ge=1, le=64, description="orchestrator processes on the public port, each with its own SO_REUSEPORT socket; process 0 owns membership, health polls, the launcher and scaling (1 = one process, no extra hop)")
+    worker_feed_interval_s: float = Field(0.1, gt=0, le=5.0, description="num_workers > 1: how often each non-owner process reports its in-flight counts to the owner and gets the membership and load view back")
+    worker_max_restarts: int = Field(5, ge=0, description="num_workers > 1: restarts of a dead non-owner process per slot before its slot stays empty")
 
 
 class SlurmSettings(StrictModel):

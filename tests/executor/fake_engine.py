@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.errors import RequestValidationError
+from engine.kv_event_log import KVEventLog
 from engine.request import EngineRequest, KVPull, Phase, RequestOutput, StepResult
 from engine.sampling_params import SamplingParams
 from executor.engine_loop import EngineLoop
@@ -56,6 +57,8 @@ class FakeEngine:
         self.steps = 0
         self.threads: set[int] = set()         # every thread that called into the engine
         self.aborted: list[str] = []
+        self.kv_events = KVEventLog("fake-epoch")  # a test records into it; the loop takes batches
+        self.held_hashes: list[bytes] = []      # what kv_snapshot reports
 
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
@@ -89,6 +92,17 @@ class FakeEngine:
 
     def release_parked(self, rid: str) -> bool:
         return False
+
+    def reset_prefix_cache(self) -> int:
+        self.kv_events.cleared()
+        dropped, self.held_hashes = len(self.held_hashes), []
+        return dropped
+
+    def take_kv_events(self):
+        return self.kv_events.take()
+
+    def kv_snapshot(self):
+        return self.kv_events.snapshot(list(self.held_hashes))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._to_emit)

@@ -11,7 +11,9 @@ import pytest
 
 from orch_fakes import MODEL
 from orchestrator.pools import ClusterPools, Pool, Server, ServerState
+from orchestrator.kv_index import KVIndexes
 from orchestrator.router import KVCacheAwareRouter, LeastLoadedRouter, RouteHint, block_hashes
+from pdserve.kv_events import KVSnapshot
 from test_orch_failures import wait_for
 from test_orch_flow import CHAT, COMPLETION
 
@@ -29,10 +31,15 @@ def test_least_loaded_picks_fewest_in_flight_and_skips_draining():
 
 
 def test_kv_cache_aware_affinity_and_balance():
-    p, r = pool_of(2), KVCacheAwareRouter(balance_threshold=2)
+    indexes = KVIndexes()
+    p = pool_of(2)
+    r = KVCacheAwareRouter(indexes, balance_threshold=2)
     shared = list(range(100, 140))
     hint = lambda tail: RouteHint(block_hashes(shared + tail, 4), 44)  # noqa: E731
-    first = r.pick(p, set(), hint([1, 2, 3, 4]))
+    for s in p.servers:
+        indexes.get(s.url).load_snapshot(KVSnapshot("e", 0, ()))
+    first = p.servers[1]
+    indexes.get(first.url).load_snapshot(KVSnapshot("e", 0, hint([1, 2, 3, 4]).block_hashes[:10]))  # holds the prefix
     assert all(r.pick(p, set(), hint([i, i, i, i])) is first for i in range(5, 10))  # same prefix, same server
     other = next(s for s in p.servers if s is not first)
     unrelated = [r.pick(p, set(), RouteHint(block_hashes([i] * 40, 4), 40)).url for i in range(4)]

@@ -1,0 +1,102 @@
+"""The router's self-check: per pool, the prefix-cache hit tokens predicted next to those reported.
+
+At each pick the orchestrator predicts how many prompt tokens the chosen server's prefix cache will
+serve: the blocks of the prompt's longest prefix its KV index holds
+(:meth:`orchestrator.kv_index.KVIndexes.matched_blocks`), capped as the engine caps a hit
+(``(num_tokens - 1) // block_size`` blocks: the last prompt token is always computed), times
+``block_size``. When the server answers, its reported hit
+(``usage.prompt_tokens_details.cached_tokens``, or ``disaggregated_params.cached_tokens`` of a ctx
+answer) is added beside it. Predicted far above reported means the index is wrong; reported far
+above predicted, or many ``unindexed`` picks, means the router is routing blind (load-only): the
+silent fallback this check exists to show. In ``/metrics`` (counters, tokens) and in
+``/cluster/status`` / ``pdserve status``.
+
+Counted: every ctx-pool answer, and gen-pool answers where the gen server computed the prompt
+itself (colocated: conditional disaggregation) and answered with a JSON body. A
+``generation_only`` request's hit is the ctx server's (it pulls the whole prompt), and a colocated
+stream's usage is not parsed by the relay: neither is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+
+from .kv_index import KVIndexes
+from .router import RouteHint
+
+
+@dataclass
+class PoolHits:
+    """Totals of one pool (tokens)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    predicted_hit_tokens: int = 0
+    reported_hit_tokens: int = 0
+    unindexed: int = 0  # picks of a server with no synced index (no prediction possible: counted 0)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class HitSelfCheck:
+    """Predictions at pick time, reports at answer time (see the module docstring)."""
+
+    def __init__(self, indexes: KVIndexes, block_size: int, registry: CollectorRegistry) -> None:
+        self.indexes = indexes
+        self.block_size = block_size
+        self.pools = {"ctx": PoolHits(), "gen": PoolHits()}
+        self._predicted = Counter("pdserve_orchestrator_kv_predicted_hit_tokens",
+                                  "Prompt tokens the router predicted the chosen server's prefix cache holds",
+                                  ["pool"], registry=registry)
+        self._reported = Counter("pdserve_orchestrator_kv_reported_hit_tokens",
+                                 "Prompt tokens the servers reported from their prefix cache (cached_tokens)",
+                                 ["pool"], registry=registry)
+        self._prompt = Counter("pdserve_orchestrator_kv_checked_prompt_tokens",
+                               "Prompt tokens of the requests in the predicted/reported self-check", ["pool"],
+                               registry=registry)
+        self._unindexed = Counter("pdserve_orchestrator_kv_unindexed_picks",
+                                  "Self-checked picks of a server without a synced KV index (load-only)",
+                                  ["pool"], registry=registry)
+
+    def predict(self, url: str, hint: RouteHint | None) -> int | None:
+        """Hit tokens predicted on ``url`` for ``hint``; None: no synced index (or no token ids)."""
+        if hint is None or hint.num_tokens <= 0:
+            return None
+        matched = self.indexes.matched_blocks(url, hint.block_hashes)
+        if matched is None:
+            return None
+        return min(matched, (hint.num_tokens - 1) // self.block_size) * self.block_size
+
+    def record(self, pool: str, hint: RouteHint | None, predicted: int | None, reported: int | None) -> None:
+        """Count one answered request of ``pool`` (skipped without token ids or a reported hit)."""
+        if hint is None or hint.num_tokens <= 0 or reported is None:
+            return
+        hits = self.pools[pool]
+        hits.requests += 1
+        hits.prompt_tokens += hint.num_tokens
+        hits.reported_hit_tokens += reported
+        hits.predicted_hit_tokens += predicted or 0
+        self._prompt.labels(pool=pool).inc(hint.num_tokens)
+        self._reported.labels(pool=pool).inc(reported)
+        self._predicted.labels(pool=pool).inc(predicted or 0)
+        if predicted is None:
+            hits.unindexed += 1
+            self._unindexed.labels(pool=pool).inc()
+
+
+def reported_hit(answer: object) -> int | None:
+    """``cached_tokens`` of an OpenAI answer (usage) or of a ctx answer's ``disaggregated_params``."""
+    if not isinstance(answer, dict):
+        return None
+    choices = answer.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        params = choices[0].get("disaggregated_params")
+        if isinstance(params, dict) and isinstance(params.get("cached_tokens"), int):
+            return params["cached_tokens"]
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
