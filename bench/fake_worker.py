@@ -8,6 +8,11 @@ It speaks what each router in the overhead experiment asks of a worker:
   one-word tokens, then a usage chunk; ``--token-delay-ms`` between streamed tokens (default 0);
 - pdserve's ``disaggregated_params``: ``context_only`` → a one-token answer with parked-lease
   params (no KV is really parked); ``generation_only`` → the stream; ``POST /disagg/release``;
+- pdserve's ``generation_first`` (``orchestrator.schedule_style``): a ``generation_only`` request
+  that names ``ctx_url`` instead of the ctx params really waits: the worker POSTs the ctx
+  worker's ``/disagg/lease`` (pdserve.kv_wait) and streams only once that wait says ``parked``;
+  the ctx worker answers a wait as soon as its ``context_only`` answer for that
+  ``disagg_request_id`` is ready (or at once, if it already was);
 - sglang-router's PD mode (requests carrying ``bootstrap_room``): with ``--role prefill`` the
   answer is one token (the router drains it), with ``--role decode`` the full answer;
 - ``GET /health``, ``/v1/models``, ``/server_info``, ``/get_server_info``, ``/model_info``,
@@ -23,12 +28,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the repository's packages (orchestrator.h1client)
+    sys.path.insert(0, str(ROOT))
 
 MODEL = "fake-model"
 WORD = " tok"
+MAX_OUTCOMES = 10_000  # ctx role: lease-wait outcomes kept for waits still to come (oldest dropped)
 
 
 def _usage(n_prompt: int, n: int) -> dict:
@@ -52,6 +64,10 @@ class FakeWorker:
         self.requests = 0
         self.bootstrapped = 0  # requests that carried sglang's bootstrap_room
         self.phases: dict[str, int] = {}
+        self.waited = 0        # generation_first gen requests that waited on a ctx worker (and got its lease)
+        self.waits_answered = 0
+        self._outcomes: OrderedDict[str, asyncio.Future] = OrderedDict()  # disagg id -> lease-wait outcome
+        self._http = None      # orchestrator.h1client.H1Client for the waits, made in the server's loop
 
     def info(self) -> dict:
         return {"model_path": self.tokenizer_dir, "tokenizer_path": self.tokenizer_dir, "is_generation": True,
@@ -93,7 +109,8 @@ class FakeWorker:
                 return await self._json(send, 200, self.info())
             if path == "/stats":
                 return await self._json(send, 200, {"requests": self.requests, "bootstrapped": self.bootstrapped,
-                                                    "phases": self.phases})
+                                                    "phases": self.phases, "waited": self.waited,
+                                                    "waits_answered": self.waits_answered})
             if path == "/tokenizer":
                 return await self._json(send, 200, self.tokenizer_payload())
             if path in ("/get_load", "/v1/loads"):
@@ -107,6 +124,8 @@ class FakeWorker:
                 break
         if path == "/disagg/release" or path == "/flush_cache":
             return await self._json(send, 200, {"released": True})
+        if path == "/disagg/lease":
+            return await self._json(send, 200, await self._lease_wait(json.loads(raw)))
         if path not in ("/v1/completions", "/v1/chat/completions", "/generate"):
             return await self._json(send, 404, {"error": {"message": f"no route {path}"}})
         self.requests += 1
@@ -115,6 +134,44 @@ class FakeWorker:
         phase = (body.get("disaggregated_params") or {}).get("request_type", "plain")
         self.phases[phase] = self.phases.get(phase, 0) + 1
         await self._complete(send, body, chat=path.endswith("chat/completions"))
+
+    def _outcome(self, disagg_id: str) -> asyncio.Future:
+        fut = self._outcomes.get(disagg_id)
+        if fut is None:
+            fut = self._outcomes[disagg_id] = asyncio.get_running_loop().create_future()
+            while len(self._outcomes) > MAX_OUTCOMES:
+                self._outcomes.popitem(last=False)
+        return fut
+
+    async def _lease_wait(self, body: dict) -> dict:
+        """ctx role: the outcome of ``disagg_request_id``'s context request, waiting ``wait_ms`` at most."""
+        did = body["disagg_request_id"]
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(self._outcome(did)), body["wait_ms"] / 1000.0)
+        except TimeoutError:
+            answer = {"state": "timeout", "message": "nothing parked"}
+        self._outcomes.pop(did, None)
+        self.waits_answered += 1
+        return answer
+
+    async def _wait_for_ctx(self, dp: dict) -> bool:
+        """gen role, generation_first: wait on the ctx worker's lease endpoint; True when it parked.
+
+        Uses the orchestrator's lean pooled HTTP/1.1 client (not httpx, as the real gen server
+        does), so that this fake's own cost stays small next to the routers it measures."""
+        from orchestrator.h1client import H1Client
+
+        if self._http is None:
+            self._http = H1Client(5.0, user_agent="fake-worker")
+        body = json.dumps({"disagg_request_id": dp["disagg_request_id"], "wait_ms": 60_000}).encode()
+        resp = await asyncio.wait_for(self._http.post(dp["ctx_url"], "/disagg/lease", body, ()), 65.0)
+        try:
+            raw = await asyncio.wait_for(resp.read(), 65.0)
+        finally:
+            resp.close()
+        parked = resp.status == 200 and json.loads(raw).get("state") == "parked"
+        self.waited += parked
+        return parked
 
     async def _json(self, send, status: int, doc: dict) -> None:
         data = json.dumps(doc).encode()
@@ -130,6 +187,10 @@ class FakeWorker:
         rtype = dp.get("request_type")
         if rtype == "context_only" or (self.role == "prefill" and "bootstrap_room" in body):
             n, stream = 1, stream and rtype != "context_only"
+        if rtype == "generation_only" and dp.get("ctx_url") and not dp.get("ctx_request_id"):
+            if not await self._wait_for_ctx(dp):
+                return await self._json(send, 504, {"error": {"message": "the ctx worker parked nothing",
+                                                              "type": "ctx_wait_timeout", "param": None, "code": 504}})
         rid = f"cmpl-{uuid.uuid4().hex[:12]}"
         created = int(time.time())
         if rtype == "context_only":
@@ -140,6 +201,9 @@ class FakeWorker:
                                     "block_size": 16, "dtype": "float32"}}
             choice = {"index": 0, "finish_reason": None, "logprobs": None, "disaggregated_params": params}
             choice.update({"message": {"role": "assistant", "content": WORD}} if chat else {"text": WORD})
+            if params["disagg_request_id"]:  # a generation_first gen worker may be waiting for this
+                fut = self._outcome(params["disagg_request_id"])
+                fut.done() or fut.set_result({"state": "parked", "disaggregated_params": params})
             return await self._json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
                                                 "created": created, "model": MODEL, "choices": [choice],
                                                 "usage": _usage(n_prompt, 1)})

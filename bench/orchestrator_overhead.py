@@ -6,9 +6,11 @@ directly, through the pdserve orchestrator, and through sglang-router in PD mode
 Two fake workers A and B answer at once (no model). Paths:
 
 - **direct**: client → B (one plain streamed completion).
-- **pdserve**: client → orchestrator → A (``context_only``, JSON answer) then → B
-  (``generation_only``, streamed and relayed): two upstream calls in sequence, as every
-  disaggregated request makes.
+- **pdserve** (``schedule_style: context_first``): client → orchestrator → A (``context_only``,
+  JSON answer) then → B (``generation_only``, streamed and relayed): two upstream calls in sequence.
+- **pdserve gen-first** (``schedule_style: generation_first``): client → orchestrator → A and B at
+  once; B really waits: it asks A's ``/disagg/lease`` and streams once A has answered the
+  ``context_only`` request. One round trip on the orchestrator's critical path, one B → A hop.
 - **sglang-router** (``--pd-disaggregation``, prefill A, decode B): one request sent to A
   *and* B at once with ``bootstrap_host/port/room`` added; the client gets B's stream. (In SGLang
   the KV handoff then runs worker to worker; here nothing moves.)
@@ -61,24 +63,25 @@ def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
     urls = {"direct": b_url}
     procs.worker_urls = {"worker_a": a_url, "worker_b": b_url}
     workers = [int(k) for k in a.pdserve_workers.split(",")]
-    for router in a.pdserve_routers.split(","):
-        for k in workers:
-            port = free_port()
-            topo = RESULTS / "overhead" / f"pdserve-{router}-k{k}.yaml"
-            topo.parent.mkdir(parents=True, exist_ok=True)
-            topo.write_text(yaml.safe_dump({
-                "model": {"path": str(tok_dir), "name": "fake-model"},
-                "orchestrator": {"host": "127.0.0.1", "port": port, "router": router, "health_interval_s": 1.0,
-                                 "max_inflight_requests": 4096, "num_workers": k},
-                "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
-                          "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}},
-            }, sort_keys=False))
-            name = f"pdserve {router}" + (f" K={k}" if workers != [1] else "")
-            procs.start(name, [PY, "-m", "orchestrator", "--config", str(topo), "--log-level", "warning"],
-                        cores=a.router_cores)
-            urls[name] = f"http://127.0.0.1:{port}"
-            procs.wait_http(name, urls[name] + "/health", 60)
-            wait_group(urls[name], 60)
+    styles = a.styles.split(",")
+    for style, router, k in [(st, r, k) for st in styles for r in a.pdserve_routers.split(",") for k in workers]:
+        port = free_port()
+        topo = RESULTS / "overhead" / f"pdserve-{router}-k{k}-{style}.yaml"
+        topo.parent.mkdir(parents=True, exist_ok=True)
+        topo.write_text(yaml.safe_dump({
+            "model": {"path": str(tok_dir), "name": "fake-model"},
+            "orchestrator": {"host": "127.0.0.1", "port": port, "router": router, "health_interval_s": 1.0,
+                             "max_inflight_requests": 4096, "num_workers": k, "schedule_style": style},
+            "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
+                      "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}},
+        }, sort_keys=False))
+        name = (f"pdserve {router}" + (f" K={k}" if workers != [1] else "")
+                + (" gen-first" if style == "generation_first" else ""))
+        procs.start(name, [PY, "-m", "orchestrator", "--config", str(topo), "--log-level", "warning"],
+                    cores=a.router_cores)
+        urls[name] = f"http://127.0.0.1:{port}"
+        procs.wait_http(name, urls[name] + "/health", 60)
+        wait_group(urls[name], 60)
     if a.sglang_python and Path(a.sglang_python).exists():
         port, prom = free_port(), free_port()
         procs.start("sglang", [a.sglang_python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -159,6 +162,8 @@ def main() -> int:
                    help="one pdserve orchestrator per policy (comma-separated)")
     p.add_argument("--pdserve-workers", default="1",
                    help="orchestrator.num_workers values, one orchestrator each (comma-separated, e.g. 1,2)")
+    p.add_argument("--styles", default="context_first,generation_first",
+                   help="orchestrator.schedule_style values, one orchestrator per router, K and style (comma-separated)")
     p.add_argument("--router-cores", default="1", help="taskset cores of the routers (default 1)")
     p.add_argument("--section", default="overhead", help="the docs/benchmarks.md section (and figure) written")
     p.add_argument("--wrk-seconds", type=int, default=8)
@@ -218,7 +223,7 @@ def main() -> int:
              f"with wrk ({v[2] / direct_rps:.2f}× direct)" for n, v in summary.items() if n != "direct"]
     reading = ("**Reading:** " + "; ".join(parts) + f". Direct tops out at {direct_rps:.0f} req/s with wrk: the "
                "ceiling of this setup (wrk and both fake workers share core 0), so a router near that number is "
-               "not the bottleneck here.")
+               "not the bottleneck here." + styles_reading(summary))
     cmd = " ".join(["python bench/orchestrator_overhead.py"] + sys.argv[1:])
     workers_note = "" if a.pdserve_workers == "1" else (
         f" `K=k`: `orchestrator.num_workers: k`, k processes on one port (SO_REUSEPORT), all of them on "
@@ -248,6 +253,11 @@ What each router does per request (be fair when reading the numbers):
   answer, then POSTs the generation phase to B and relays its SSE stream. Two upstream round
   trips in sequence — the cost of `context_first`. `kv_cache_aware` also tokenizes the prompt
   and hashes its blocks at the orchestrator.
+- **pdserve … gen-first** (`schedule_style: generation_first`): POSTs the context phase to A and
+  the generation phase to B at once and relays B's stream; B (the fake) really waits — it POSTs
+  A's `/disagg/lease` and streams only once A has answered that request's context phase (one
+  B → A round trip, on core 0 with the workers, through the orchestrator's pooled HTTP/1.1 client; the
+  real gen server uses httpx).
 - **sglang-router** (Rust, `--pd-disaggregation`): sends the request to A and B *at once* with
   `bootstrap_*` fields and relays B's stream; the prefill→decode handoff is the workers' business
   (over the bootstrap server), so the router's own critical path has one round trip.
@@ -262,6 +272,17 @@ What each router does per request (be fair when reading the numbers):
     update_section(a.section, body)
     print(table)
     return 0
+
+
+def styles_reading(summary: dict) -> str:
+    """One sentence per router measured in both schedule styles (same run): generation_first vs context_first."""
+    out = []
+    for name, (t50, _, rps) in summary.items():
+        base = summary.get(name.removesuffix(" gen-first")) if name.endswith(" gen-first") else None
+        if base is not None:
+            out.append(f"{name}: added TTFT p50 {t50:+.2f} ms vs {base[0]:+.2f} ms for context_first, "
+                       f"{rps:.0f} vs {base[2]:.0f} req/s with wrk ({rps / base[2]:.2f}×)")
+    return (" Schedule styles, same run: " + "; ".join(out) + ".") if out else ""
 
 
 def plot(summary: dict, path: Path) -> None:

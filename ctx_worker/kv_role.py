@@ -3,6 +3,10 @@
 Runs next to the engine (the process that owns the KV cache). The lease table frees blocks when
 the gen side confirms its pull, when the lease expires on its timer, or when the orchestrator
 releases it; every free goes through the engine loop (``release_parked``).
+
+generation_first: a gen server's wait for a ``disagg_request_id`` (``POST /disagg/lease``) is
+answered from here once that context phase parked, finished or failed (``ctx_worker.lease_waits``);
+a wait that ran out of time abandons the request (aborted, or its lease released).
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import time
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
 from executor.kv_role import KVHandoff, RankShards, WorkerOps, WorkerRole
+from ctx_worker.lease_waits import LeaseWaits
+from engine.errors import RequestValidationError
 from executor.phases import PhaseError
 from kv_transfer.layout import KVLayout, blocks_for_tokens
 from kv_transfer.lease import LeaseTable
 from kv_transfer.stats import TransferStats
 from kv_transfer.factory import KVServer, make_kv_server
 from pdserve.config import KVTransferSettings
+from pdserve.kv_wait import LeaseWaitAnswer
 from pdserve.protocol import DisaggregatedParams
 
 log = logging.getLogger(__name__)
@@ -44,9 +51,10 @@ class CtxKVRole(WorkerRole):
         self._sent = TransferStats()
         self.leases: LeaseTable | None = None
         self.servers: list[KVServer] = []  # one per TP rank's shard, all on one lease table
+        self.waits = LeaseWaits(settings.lease_ms / 1000.0)
 
     def start(self, engine: LLMEngine, ops: WorkerOps, shards: RankShards) -> None:
-        self.ops = ops
+        self.engine, self.ops = engine, ops
         self.shard_layouts = list(shards.layouts)
         self.leases = LeaseTable(self._on_free, self.pull_delay_s)
         for r, (cache, layout) in enumerate(zip(shards.caches, shards.layouts)):
@@ -64,23 +72,38 @@ class CtxKVRole(WorkerRole):
         return self.servers[0].endpoint
 
     def _on_free(self, ctx_request_id: str, reason: str) -> None:
-        self.ops.post(lambda engine: engine.release_parked(ctx_request_id))
+        self.ops.post(lambda engine: self._freed(engine, ctx_request_id))
+
+    def _freed(self, engine: LLMEngine, ctx_request_id: str) -> None:
+        engine.release_parked(ctx_request_id)
+        disagg = self.waits.disagg_of(ctx_request_id)
+        if disagg is not None:
+            self.waits.forget(disagg)  # a later wait must not be sent to a lease that is gone
+        self.waits.unbind(ctx_request_id)
 
     def _on_sent(self, nbytes: int, seconds: float) -> None:
         self._sent.observe(nbytes, seconds)
 
     def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
         if disagg is not None and disagg.request_type == "context_only":
-            self._pending[request.request_id] = (disagg.disagg_request_id, list(request.prompt_token_ids))
+            did = disagg.disagg_request_id
+            if did is not None:
+                known = self.waits.outcome(did)
+                if known is not None and known.state == "timeout":
+                    raise RequestValidationError(f"the gen server stopped waiting for {did} before it arrived")
+                self.waits.bind(did, request.request_id)
+            self._pending[request.request_id] = (did, list(request.prompt_token_ids))
 
     def on_output(self, out: RequestOutput) -> None:
         if not out.finished:
             return
         disagg_id, prompt = self._pending.pop(out.request_id, (None, []))
         if out.finish_reason is not None or out.parked_block_ids is None:
+            self._settle_unparked(out, disagg_id)
             return
         if not out.parked_block_ids:
             self.ops.deliver(out.request_id, PhaseError("engine handed off without parked KV blocks", 500, "internal"))
+            self._settle_unparked(out, disagg_id)
             return
         num_tokens = len(prompt)
         lease_s = self.settings.lease_ms / 1000.0
@@ -92,6 +115,40 @@ class CtxKVRole(WorkerRole):
             kv_block_count=blocks_for_tokens(num_tokens, self.layout.block_size),
             lease_deadline=time.time() + lease_s, cached_tokens=out.num_cached_tokens)
         self.ops.deliver(out.request_id, KVHandoff(out.request_id, params))
+        if disagg_id is not None:
+            self.waits.settle(disagg_id, LeaseWaitAnswer(state="parked", disaggregated_params=params))
+
+    def _settle_unparked(self, out: RequestOutput, disagg_id: str | None) -> None:
+        """A context phase that ended without parking: nothing for a gen server to pull."""
+        self.waits.unbind(out.request_id)
+        if disagg_id is None:
+            return
+        if out.finish_reason in (None, "abort"):
+            answer = LeaseWaitAnswer(state="failed", message=f"the context phase ended ({out.finish_reason or 'no KV'})")
+        else:
+            answer = LeaseWaitAnswer(state="finished", message=f"the first token ended the request ({out.finish_reason})")
+        if (self.waits.outcome(disagg_id) or answer).state != "timeout":  # an abandoned id stays abandoned
+            self.waits.settle(disagg_id, answer)
+
+    # ---- generation_first waits (engine loop thread) ----------------------------------------
+    def await_lease(self, disagg_request_id: str, call_id: int, reply) -> None:
+        self.waits.wait(disagg_request_id, call_id, reply)
+
+    def cancel_lease_wait(self, disagg_request_id: str, call_id: int, abandon: bool) -> None:
+        self.waits.cancel(disagg_request_id, call_id)
+        if not abandon:
+            return
+        # The gen server's ctx_wait_ms ran out: nobody will pull, so free this side's blocks too.
+        rid = self.waits.request_of(disagg_request_id)
+        self.waits.settle(disagg_request_id, LeaseWaitAnswer(state="timeout", message="the gen server stopped waiting"))
+        if rid is None:
+            return  # not arrived yet: on_submit refuses it when it comes
+        log.warning("request %s (%s): the gen server stopped waiting for its KV; freeing it", rid, disagg_request_id)
+        if rid in self._pending:  # queued or prefilling: fail it with a clear error, then free its blocks
+            self.ops.deliver(rid, PhaseError("the gen server stopped waiting for this request's KV "
+                                             "(its kv_transfer.ctx_wait_ms ran out)", 504, "ctx_wait_timeout"))
+        if not self.intercept_abort(rid):
+            self.engine.abort_request(rid)
 
     def intercept_abort(self, request_id: str) -> bool:
         # A parked request is freed through its lease, which waits for an in-progress pull.
@@ -106,6 +163,7 @@ class CtxKVRole(WorkerRole):
         if leases is None:
             return sent
         return {"kv_endpoint": self.endpoint if self.servers else None, "parked_leases": len(leases),
+                "lease_waits": self.waits.num_waiting(), "lease_waits_answered": self.waits.answered,
                 "leases_expired": leases.expired_total, "leases_released": leases.released_total, **sent}
 
     def stop(self) -> None:

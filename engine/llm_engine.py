@@ -141,14 +141,23 @@ class LLMEngine:
             return
         self._finish(seq, "abort")
 
-    def kv_ready(self, request_id: str, ok: bool) -> None:
-        """GENERATION_ONLY: the KVPull blocks hold the prompt KV (ok) or the pull failed."""
+    def kv_ready(self, request_id: str, ok: bool, first_token_ids: list[int] | None = None,
+                 num_cached_tokens: int | None = None) -> None:
+        """GENERATION_ONLY: the KVPull blocks hold the prompt KV (ok) or the pull failed.
+
+        ``first_token_ids`` / ``num_cached_tokens`` (the ctx server's first sample and prefix-cache
+        hit) are given here for a request submitted with ``first_tokens_later`` (generation_first).
+        """
         seq = self.scheduler.pulling.get(request_id)
         if seq is None:
             return
         if not ok:
             self._finish(seq, "abort")
             return
+        if first_token_ids is not None:
+            seq.first_token_ids = list(first_token_ids)
+        if num_cached_tokens is not None:
+            seq.num_cached_tokens = num_cached_tokens
         self.scheduler.kv_arrived(request_id)
         logprobs = seq.first_token_logprobs if seq.sampling.logprobs is not None else []
         for i, token in enumerate(seq.first_token_ids):

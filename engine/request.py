@@ -23,6 +23,9 @@ class EngineRequest:
     cache_salt: requests with different salts never share prefix-cache blocks (vLLM's field).
     num_cached_tokens: GENERATION_ONLY only: the prompt tokens the ctx server found in its prefix
     cache, reported in this request's outputs (this engine pulls the whole prompt).
+    first_tokens_later: GENERATION_ONLY of ``schedule_style: generation_first``: the request is
+    admitted (blocks allocated) before the ctx server has sampled; first_token_ids and
+    num_cached_tokens come with :meth:`engine.llm_engine.LLMEngine.kv_ready`.
     """
 
     request_id: str
@@ -34,6 +37,7 @@ class EngineRequest:
     num_cached_tokens: int = 0
     first_token_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    first_tokens_later: bool = False
 
 
 @dataclass

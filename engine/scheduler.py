@@ -145,8 +145,9 @@ class Scheduler:
                 "prefix_cache_hits": self.prefix_cache_hits, "cached_blocks": self.bm.num_cached_blocks}
 
     def _admit_pull(self, seq: Sequence) -> bool:
-        # Room for the prompt and the first token(s), whose KV is computed here after the pull.
-        need = self.bm.blocks_needed(seq.num_tokens + len(seq.first_token_ids))
+        # Room for the prompt and the first token(s), whose KV is computed here after the pull
+        # (generation_first: one, before the ctx server has said which).
+        need = self.bm.blocks_needed(seq.num_tokens + max(len(seq.first_token_ids), 1))
         if not self.bm.can_allocate(need):
             return False
         seq.block_ids = self.bm.allocate(need)

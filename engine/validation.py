@@ -27,7 +27,14 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
     except ValueError as e:
         raise RequestValidationError(f"request {req.request_id}: {e}") from e
     first = req.first_token_ids
-    if phase is Phase.GENERATION_ONLY:
+    if phase is Phase.GENERATION_ONLY and req.first_tokens_later:
+        if first:
+            raise RequestValidationError(
+                f"request {req.request_id}: first_tokens_later excludes first_token_ids (they come with kv_ready)")
+        if p + 1 > max_model_len:
+            raise RequestValidationError(
+                f"request {req.request_id}: prompt + first token exceed max_model_len")
+    elif phase is Phase.GENERATION_ONLY:
         if not first:
             raise RequestValidationError(
                 f"request {req.request_id}: GENERATION_ONLY needs first_token_ids")

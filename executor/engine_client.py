@@ -103,6 +103,21 @@ class EngineClient(abc.ABC):
     async def release_lease(self, ctx_request_id: str) -> bool:
         """Release the parked KV lease of a ``context_only`` request. False if there was none."""
 
+    async def await_lease(self, disagg_request_id: str, timeout_s: float) -> object:
+        """ctx, generation_first: wait (at most ``timeout_s``) until the context phase of
+        ``disagg_request_id`` parked, finished or failed; returns a ``pdserve.kv_wait.LeaseWaitAnswer``.
+
+        Raises:
+            TimeoutError: no outcome within ``timeout_s``; the request's blocks are freed (abandoned).
+            EngineDeadError: the engine is dead.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no lease waits")
+
+    def kv_source_ready(self, request_id: str, params: "DisaggregatedParams") -> None:
+        """gen, generation_first: hand the ctx server's params of an admitted ``generation_only``
+        request to the worker side, which then pulls its KV."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV sources")
+
     @abc.abstractmethod
     def stats(self) -> dict:
         """Snapshot: ``free_blocks``, ``total_blocks`` and the role's KV counters."""

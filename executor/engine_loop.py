@@ -51,8 +51,9 @@ from engine.request import RequestOutput
 from executor.engine_client import EngineNotServingError, EngineState
 from executor.ipc import lane_of
 from executor.kv_role import RankShards, WorkerRole
-from executor.messages import (AbortRequest, AddRequest, Command, Drain, Event, KVEvents, KVSnapshotQuery, Output,
-                               ReleaseLease, Reply, ResetPrefixCache, Shutdown, StatsQuery, StatsSnapshot)
+from executor.messages import (AbortRequest, AddRequest, AwaitLease, CancelLeaseWait, Command, Drain, Event,
+                               KVEvents, KVSnapshotQuery, KVSourceReady, Output, ReleaseLease, Reply,
+                               ResetPrefixCache, Shutdown, StatsQuery, StatsSnapshot)
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -106,7 +107,9 @@ class EngineLoop:
         self._handlers: dict[type, Callable] = {
             AddRequest: self._add, AbortRequest: self._abort, ReleaseLease: self._release,
             StatsQuery: self._stats_query, ResetPrefixCache: self._reset_prefix_cache,
-            KVSnapshotQuery: self._kv_snapshot, Drain: self._drain, Shutdown: self._shutdown}
+            KVSnapshotQuery: self._kv_snapshot, Drain: self._drain, Shutdown: self._shutdown,
+            AwaitLease: self._await_lease, CancelLeaseWait: self._cancel_lease_wait,
+            KVSourceReady: self._kv_source_ready}
         self.role.start(engine, self, shards)
 
     # ---- WorkerOps (thread-safe) ----------------------------------------------------------
@@ -206,6 +209,17 @@ class EngineLoop:
     def _kv_snapshot(self, cmd: KVSnapshotQuery) -> None:
         self._push_kv_events()  # the snapshot's seq must cover everything it holds
         self._reply(cmd.call_id, self.engine.kv_snapshot())
+
+    def _await_lease(self, cmd: AwaitLease) -> None:
+        # The role calls the reply on this thread (now, or from a later on_output): it lands in
+        # the same flush as the outputs of that step.
+        self.role.await_lease(cmd.disagg_request_id, cmd.call_id, lambda value: self._reply(cmd.call_id, value))
+
+    def _cancel_lease_wait(self, cmd: CancelLeaseWait) -> None:
+        self.role.cancel_lease_wait(cmd.disagg_request_id, cmd.call_id, cmd.abandon)
+
+    def _kv_source_ready(self, cmd: KVSourceReady) -> None:
+        self.role.kv_source_ready(cmd.request_id, cmd.params)
 
     def _drain(self, cmd: Drain) -> None:
         if self.state == EngineState.SERVING:

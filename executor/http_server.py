@@ -263,8 +263,8 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     if rtype == "context_only" and body.stream:
         raise ApiError(400, "context_only requests cannot stream", param="stream")
     try:
-        if rtype == "generation_only":
-            prompt = list(disagg.prompt_token_ids)
+        if rtype == "generation_only" and not disagg.awaits_ctx:
+            prompt = list(disagg.prompt_token_ids)  # generation_first: tokenized here, checked against the ctx's
         else:
             prompt = prompt_token_ids(body, state.client.tokenizer, state.vocab_size)
         check_length(len(prompt), state.client.max_model_len, "messages" if chat else "prompt")

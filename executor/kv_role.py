@@ -92,6 +92,17 @@ class WorkerRole:
         """Release a parked lease (any thread). False if there was none."""
         return False
 
+    def await_lease(self, disagg_request_id: str, call_id: int, reply: Callable[[object], None]) -> None:
+        """ctx, generation_first: call ``reply(LeaseWaitAnswer)`` once the context phase of
+        ``disagg_request_id`` has an outcome (engine loop thread). A role without leases answers None."""
+        reply(None)
+
+    def cancel_lease_wait(self, disagg_request_id: str, call_id: int, abandon: bool) -> None:
+        """ctx: drop wait ``call_id``; ``abandon``: also free the request's blocks (engine loop thread)."""
+
+    def kv_source_ready(self, request_id: str, params: "DisaggregatedParams") -> None:
+        """gen, generation_first: the ctx params of an admitted request; its pull may start (engine loop thread)."""
+
     def stats(self) -> dict:
         """Counters for /server_info and /metrics (any thread)."""
         return {}

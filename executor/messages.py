@@ -2,7 +2,8 @@
 
 Frontend → engine loop (:data:`Command`): :class:`AddRequest`, :class:`AbortRequest`,
 :class:`ReleaseLease`, :class:`StatsQuery`, :class:`ResetPrefixCache`, :class:`KVSnapshotQuery`,
-:class:`Drain`, :class:`Shutdown`.
+:class:`Drain`, :class:`Shutdown`, and for ``generation_first`` :class:`AwaitLease`,
+:class:`CancelLeaseWait` (ctx) and :class:`KVSourceReady` (gen).
 Engine loop → frontend (:data:`Event`): :class:`Output`, :class:`Reply`, :class:`StatsSnapshot`,
 :class:`KVEvents`, :class:`EngineDead`.
 Worker rank → proxy at start-up (:data:`Handshake`): :class:`RankHello`, :class:`RankFailed`,
@@ -75,6 +76,35 @@ class KVSnapshotQuery:
 
 
 @dataclass(frozen=True)
+class AwaitLease:
+    """ctx, generation_first: answer a :class:`Reply` (a ``pdserve.kv_wait.LeaseWaitAnswer``) on
+    ``call_id``'s lane once the context phase of ``disagg_request_id`` parked, finished or failed
+    (at once if it already did). The frontend bounds the wait and then sends :class:`CancelLeaseWait`."""
+
+    call_id: int
+    disagg_request_id: str
+
+
+@dataclass(frozen=True)
+class CancelLeaseWait:
+    """ctx: forget the wait ``call_id``; ``abandon``: the waiter gave up for good (its time ran
+    out), so the context request of ``disagg_request_id`` is aborted or its lease released."""
+
+    call_id: int
+    disagg_request_id: str
+    abandon: bool = False
+
+
+@dataclass(frozen=True)
+class KVSourceReady:
+    """gen, generation_first: the ctx server parked the KV of ``request_id`` (an admitted
+    ``generation_only`` request); ``params`` are the ctx answer's, the pull may start."""
+
+    request_id: str
+    params: "DisaggregatedParams"
+
+
+@dataclass(frozen=True)
 class Drain:
     """Stop admitting new requests (serving → draining); in-flight ones finish."""
 
@@ -86,9 +116,10 @@ class Shutdown:
     reason: str = "shutdown requested"
 
 
-Command = Union[AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, KVSnapshotQuery, Drain, Shutdown]
-COMMANDS = (AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, KVSnapshotQuery, Drain,
-            Shutdown)  # for isinstance checks
+Command = Union[AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, KVSnapshotQuery, AwaitLease,
+                CancelLeaseWait, KVSourceReady, Drain, Shutdown]
+COMMANDS = (AddRequest, AbortRequest, ReleaseLease, StatsQuery, ResetPrefixCache, KVSnapshotQuery, AwaitLease,
+            CancelLeaseWait, KVSourceReady, Drain, Shutdown)  # for isinstance checks
 
 
 # ---- engine loop → frontend ----------------------------------------------------------------------
@@ -103,7 +134,8 @@ class Output:
 
 @dataclass(frozen=True)
 class Reply:
-    """The answer to a :class:`ReleaseLease`, :class:`StatsQuery` or :class:`ResetPrefixCache`."""
+    """The answer to a :class:`ReleaseLease`, :class:`StatsQuery`, :class:`ResetPrefixCache` or
+    :class:`AwaitLease` (which may come many steps later)."""
 
     call_id: int
     value: object

@@ -124,13 +124,15 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``)."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
     gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
-    first = list(disagg.first_gen_tokens) if gen_only else None
+    later = gen_only and disagg.awaits_ctx  # generation_first: first tokens and cache hit come with the KV
+    first = list(disagg.first_gen_tokens) if gen_only and not later else None
     cached = (disagg.cached_tokens or 0) if gen_only else 0
     first_lp = from_wire(disagg.first_gen_logprobs) if gen_only else None
     prompt_lp = from_wire(disagg.prompt_logprobs) if gen_only else None
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
                          phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached,
-                         first_token_logprobs=first_lp, prompt_logprobs=prompt_lp)
+                         first_token_logprobs=first_lp, prompt_logprobs=prompt_lp,
+                         first_tokens_later=later)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.ipc import make_client_id
 from executor.kv_event_hub import KVEventHub
-from executor.messages import (AbortRequest, AddRequest, Command, Drain, EngineDead, Event, KVEvents, KVSnapshotQuery,
-                               Output, ReleaseLease, Reply, ResetPrefixCache, StatsQuery, StatsSnapshot)
+from executor.messages import (AbortRequest, AddRequest, AwaitLease, CancelLeaseWait, Command, Drain, EngineDead, Event,
+                               KVEvents, KVSnapshotQuery, KVSourceReady, Output, ReleaseLease, Reply, ResetPrefixCache,
+                               StatsQuery, StatsSnapshot)
 from executor.streams import StreamRegistry
 
 if TYPE_CHECKING:
@@ -100,10 +102,30 @@ class WorkerClient(EngineClient):
             raise EngineDeadError(f"engine is dead: {self.dead_reason}")
         return await self._call(KVSnapshotQuery)  # type: ignore[return-value]
 
-    async def _call(self, make: Callable[[int], Command], timeout_s: float = REPLY_TIMEOUT_S) -> object:
+    async def await_lease(self, disagg_request_id: str, timeout_s: float) -> object:
+        if self.state == EngineState.DEAD:
+            raise EngineDeadError(f"engine is dead: {self.dead_reason}")
+        call_id = make_client_id(self.frontend_id, next(self._seq))
+        abandon = False
+        try:
+            return await self._call(lambda _: AwaitLease(call_id, disagg_request_id), timeout_s, call_id)
+        except TimeoutError:
+            abandon = True  # the waiter's time is up: nobody will pull, free the blocks
+            raise
+        finally:
+            if self.state != EngineState.DEAD:  # answered, timed out or cancelled: forget the wait
+                with contextlib.suppress(EngineNotServingError):  # a full queue: the wait expires with its outcome
+                    self._send(CancelLeaseWait(call_id, disagg_request_id, abandon))
+
+    def kv_source_ready(self, request_id: str, params: "DisaggregatedParams") -> None:
+        if self.state != EngineState.DEAD:
+            self._send(KVSourceReady(request_id, params))
+
+    async def _call(self, make: Callable[[int], Command], timeout_s: float = REPLY_TIMEOUT_S,
+                    call_id: int | None = None) -> object:
         """A request/reply with the engine loop: ``make(call_id)`` is the command; bounded by
         ``timeout_s`` (raises TimeoutError; EngineDeadError if the engine dies meanwhile)."""
-        call_id = make_client_id(self.frontend_id, next(self._seq))
+        call_id = make_client_id(self.frontend_id, next(self._seq)) if call_id is None else call_id
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:

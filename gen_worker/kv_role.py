@@ -4,7 +4,9 @@ When the engine admits a ``generation_only`` request it allocates blocks and ask
 :class:`engine.request.KVPull`; this role copies ``kv_block_count`` blocks from the ctx transceiver
 into them on a small thread pool (each pull bounded by ``kv_transfer.timeout_ms``) and then tells
 the engine (``kv_ready``) on the loop thread. A request aborted mid-pull keeps its blocks until the
-copy has stopped writing into them.
+copy has stopped writing into them. When a pull may start is :class:`gen_worker.kv_source.KVSources`'
+call: at once (context_first), or once the ctx params arrive (generation_first: the frontend's
+wait on the ctx server, then :meth:`GenKVRole.kv_source_ready`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, KVPull
 from executor.kv_role import KVTransferDone, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
+from gen_worker.kv_source import KVSources
 from kv_transfer.formatter import pull_plan
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens, check_tp_pairing
 from kv_transfer.stats import TransferStats
@@ -41,7 +44,7 @@ class GenKVRole(WorkerRole):
     def __init__(self, settings: KVTransferSettings, layout: KVLayout) -> None:
         self.settings, self.layout = settings, layout
         self._clients: dict[tuple[str, str], KVClient] = {}  # (scheme, layout) -> client, made on first use
-        self._sources: dict[str, DisaggregatedParams] = {}
+        self._sources = KVSources()
         self._in_flight: dict[str, bool] = {}  # request id -> aborted while pulling
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
@@ -53,13 +56,23 @@ class GenKVRole(WorkerRole):
 
     def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
         if disagg is not None and disagg.request_type == "generation_only":
-            self._sources[request.request_id] = disagg
+            self._sources.submitted(request.request_id, disagg)
 
     def on_pull(self, pull: KVPull) -> None:
-        src = self._sources.pop(pull.request_id, None)
-        if src is None:
+        try:
+            ready = self._sources.allocated(pull)
+        except KeyError:
             self._fail(pull.request_id, "no KV source for this request (not a generation_only request)", 500)
             return
+        if ready is not None:
+            self._start_pull(*ready)
+
+    def kv_source_ready(self, request_id: str, params: DisaggregatedParams) -> None:
+        ready = self._sources.source_ready(request_id, params)
+        if ready is not None:
+            self._start_pull(*ready)
+
+    def _start_pull(self, pull: KVPull, src: DisaggregatedParams) -> None:
         num_blocks = src.kv_block_count or blocks_for_tokens(pull.num_tokens, self.layout.block_size)
         if num_blocks > len(pull.block_ids):
             self._fail(pull.request_id, f"ctx holds {num_blocks} KV blocks; the engine allocated {len(pull.block_ids)}", 500)
@@ -90,7 +103,8 @@ class GenKVRole(WorkerRole):
         elif not aborted:
             self.ops.deliver(rid, KVTransferDone(rid, nbytes, seconds))
         ok = error is None and not aborted
-        self.ops.post(lambda engine: engine.kv_ready(rid, ok))
+        first, cached = list(src.first_gen_tokens or []), src.cached_tokens  # generation_first: known only now
+        self.ops.post(lambda engine: engine.kv_ready(rid, ok, first_token_ids=first, num_cached_tokens=cached))
 
     def _pull_shards(self, src: DisaggregatedParams, dst: list[int]) -> int:
         """Pull every gen rank's heads from the ctx ranks that hold them, then release the lease once.
@@ -149,7 +163,7 @@ class GenKVRole(WorkerRole):
         self.ops.deliver(rid, PhaseError(message, status, "kv_transfer_error"))
 
     def intercept_abort(self, request_id: str) -> bool:
-        self._sources.pop(request_id, None)
+        self._sources.forget(request_id)
         with self._lock:
             if request_id in self._in_flight:
                 self._in_flight[request_id] = True  # freed by kv_ready(ok=False) once the copy stops

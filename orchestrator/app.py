@@ -30,6 +30,7 @@ from pdserve.protocol import ModelCard, ModelList, now_s
 
 from .admission import Admission
 from .disagg import DisaggFlow
+from .gen_first import GenerationFirstFlow
 from .errors import OrchestratorError, error_response
 from .front import OPENAI_PATHS, serve_openai
 from .h1client import H1Client
@@ -120,9 +121,10 @@ class Orchestrator:
         # A test transport replaces the network on the hot path too; otherwise the lean client.
         self.upstream = H1Client(s.connect_timeout_s) if self._transport is None else HttpxUpstream(self.client)
         ctx_engine = self.topology.pool_engine("ctx")
-        self.flow = DisaggFlow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
-                               ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck,
-                               auth=self.upstream_auth)
+        flow = GenerationFirstFlow if s.schedule_style == "generation_first" else DisaggFlow
+        self.flow = flow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
+                         ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck,
+                         auth=self.upstream_auth)
         if self.wants_kv_events:  # every process routes, so each follows the KV events itself
             opener = httpx_opener(self.client, s.connect_timeout_s, KV_EVENTS_READ_TIMEOUT_S)
             self.kv_feeds = KVEventFeeds(self.pools, self.kv_indexes, opener, min(s.health_interval_s, 0.5))

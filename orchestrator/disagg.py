@@ -8,6 +8,11 @@
 3. Generation phase: POST the client body with the ctx's params as ``generation_only``. Retried on
    another gen server while nothing has reached the client (the lease still holds); the answer or
    stream goes to the client as is. If the phase is abandoned, the ctx lease is released.
+
+That is ``orchestrator.schedule_style: context_first``; ``generation_first`` (both phases sent at
+once, the gen server waits for the ctx server's KV) is :class:`orchestrator.gen_first.GenerationFirstFlow`,
+a subclass that replaces :meth:`DisaggFlow._disaggregated` and reuses the attempts and
+:meth:`DisaggFlow.generation_phase` here.
 """
 
 from __future__ import annotations
@@ -147,10 +152,17 @@ class DisaggFlow:
                                                       set(failed_ctx))
         self._metrics.ctx_phase.observe(time.monotonic() - t0)
         self._metrics.routed.labels(pool="ctx", path="disaggregated").inc()
-        choice = answer["choices"][0]
-        if choice.get("finish_reason") is not None:
+        if answer["choices"][0].get("finish_reason") is not None:
             return self._final_from_ctx(ex, answer)
-        params = choice["disaggregated_params"]
+        return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx)
+
+    async def generation_phase(self, ex: Exchange, hint: RouteHint | None, ctx_server: Server, answer: dict,
+                               failed_ctx: set[str], exclude: set[str] | None = None,
+                               failures: list[str] | None = None) -> Response:
+        """The gen phase of a parked ctx ``answer`` (on gen servers not in ``exclude``, after the attempts
+        ``failures`` describe); the lease is released on any way out but a response.
+        Raises KVSourceFailed, OrchestratorError, UpstreamRejected."""
+        params = answer["choices"][0]["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
         gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
             **params, "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id}})
@@ -160,10 +172,11 @@ class DisaggFlow:
             if ex.stream:
                 _, response = await self._with_retries(
                     "gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lambda: self.release_soon(lease, ex)),
-                    hint)
+                    hint, exclude, failures)
                 self._metrics.kv_handoff.observe(time.monotonic() - t_ctx)
             else:
-                _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint)
+                _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
+                                                       exclude, failures)
             self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
             handed_over = True
             return response
@@ -193,16 +206,18 @@ class DisaggFlow:
                                         ex.request_id), name=f"release-{lease.ctx_request_id}")
 
     async def _with_retries(self, role: Role, attempt: Callable[[Server], Awaitable[T]],
-                            hint: RouteHint | None = None, exclude: set[str] | None = None) -> tuple[Server, T]:
-        """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``.
+                            hint: RouteHint | None = None, exclude: set[str] | None = None,
+                            failures: list[str] | None = None) -> tuple[Server, T]:
+        """Run ``attempt`` on up to ``1 + max_retries`` distinct ready servers of pool ``role``
+        (``failures``: attempts that already failed elsewhere, named in the error and counted).
 
         Raises:
             OrchestratorError: 503 naming every failed attempt, or that no server was ready.
             UpstreamRejected: a server answered 4xx (relayed, not retried).
         """
         tried: set[str] = set(exclude or ())
-        failures: list[str] = []
-        for n in range(1 + self._settings.max_retries):
+        failures = list(failures or ())
+        for n in range(len(failures), 1 + self._settings.max_retries):
             server = self._routers[role].pick(self._pools.pool(role), tried, hint)
             if server is None:
                 break

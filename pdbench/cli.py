@@ -6,9 +6,17 @@ Examples::
         --ignore-eos --num-prompts 50 --request-rate 2 --goodput ttft:1000 tpot:100 --save-result --plot
     pdserve bench --workload sharegpt --request-rate 0.5,1,2,inf --max-concurrency 8 --goodput tpot:80 \\
         --save-result --plot --result-dir bench/results
+    pdserve bench --workload multiturn --endpoint chat --num-conversations 4 --num-turns 8 \\
+        --input-len 50 --output-len 32 --ignore-eos --max-concurrency 4
+    pdserve bench --workload system-prompt --prefix-len 1800 --input-len 200 --num-prefixes 1 \\
+        --num-prompts 8 --max-concurrency 1 --vocab-size 49152
 
 Each request rate of ``--request-rate`` (comma-separated) is one run over the same prompts; with
 more than one rate and ``--goodput``, ``--plot`` also draws goodput and SLO attainment versus rate.
+``--workload multiturn`` runs ``--num-conversations`` conversations of ``--num-turns`` turns: each
+turn sends the whole history (the answers the server gave included) plus a new user message of
+``--input-len`` words; turns of one conversation in sequence, conversations concurrent (the rate and
+``--max-concurrency`` apply to conversations); it also prints TTFT per turn.
 Metric definitions: :mod:`pdbench.metrics`.
 """
 
@@ -20,16 +28,15 @@ import datetime as _dt
 import json
 import math
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
 from .client import ENDPOINTS, RequestOptions, fetch_model
-from .datasets import WORKLOADS, WorkloadSpec, make_workload
 from .metrics import compute_metrics, parse_goodput
-from .report import fmt_rate, format_sweep, format_table, plot_cdfs, plot_goodput, write_json
-from .runner import RunSettings, make_client, run_load, warm_up
+from .plan import ALL_WORKLOADS, RunOutcome, execute, plan_from_args
+from .report import fmt_rate, format_sweep, format_table, format_turns, plot_cdfs, plot_goodput, write_json
+from .runner import RunSettings, make_client, warm_up
 
 
 def parse_rates(text: str) -> list[float]:
@@ -55,15 +62,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-stream", action="store_true", help="non-streamed requests (TTFT = E2EL, no ITL)")
     g.add_argument("--extra-body", default="{}", help="JSON object merged into every request body")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOADS, default="random")
+    g.add_argument("--workload", choices=ALL_WORKLOADS, default="random")
     g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (median for sharegpt, suffix for prefix)")
+    g.add_argument("--input-len", type=int, default=128,
+                   help="prompt tokens (median for sharegpt, suffix for prefix/system-prompt, user message for multiturn)")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens (median for sharegpt)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="random/prefix: lengths in [n(1-r), n(1+r)]")
     g.add_argument("--max-input-len", type=int, default=1024, help="sharegpt: clip prompt lengths")
     g.add_argument("--max-output-len", type=int, default=512, help="sharegpt: clip output lengths")
-    g.add_argument("--prefix-len", type=int, default=256, help="prefix: shared prefix tokens")
-    g.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct shared prefixes")
+    g.add_argument("--prefix-len", type=int, default=256, help="prefix/system-prompt: shared prefix tokens")
+    g.add_argument("--num-prefixes", type=int, default=4, help="prefix/system-prompt: distinct shared prefixes")
+    g.add_argument("--prefix-order", choices=("cycle", "shuffle"), default="cycle",
+                   help="prefix/system-prompt: prefixes round robin, or each round in a seeded random order")
+    g.add_argument("--num-conversations", type=int, default=8, help="multiturn: conversations")
+    g.add_argument("--num-turns", type=int, default=4, help="multiturn: turns per conversation")
+    g.add_argument("--system-prompt-len", type=int, default=0,
+                   help="multiturn: words of a system prompt shared by every conversation (0 = none)")
     g.add_argument("--long-fraction", type=float, default=0.25, help="mixed: fraction of long prompts")
     g.add_argument("--long-input-len", type=int, default=1024, help="mixed: long prompt tokens")
     g.add_argument("--long-output-len", type=int, default=8, help="mixed: output tokens of long prompts")
@@ -100,17 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(name=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
-                        output_len=args.output_len, range_ratio=args.range_ratio, prefix_len=args.prefix_len,
-                        num_prefixes=args.num_prefixes, max_input_len=args.max_input_len,
-                        max_output_len=args.max_output_len, long_fraction=args.long_fraction,
-                        long_input_len=args.long_input_len, long_output_len=args.long_output_len,
-                        prompt_format=args.prompt_format, vocab_size=args.vocab_size, seed=args.seed)
-
-
-def _per_request(records) -> dict:
-    return {
+def _per_request(outcome: RunOutcome) -> dict:
+    records = outcome.records
+    per = {
         "ok": [r.ok for r in records],
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens if r.ok else 0 for r in records],
@@ -118,8 +124,13 @@ def _per_request(records) -> dict:
         "tpots_ms": [(r.tpot * 1000 if r.tpot is not None else None) if r.ok else None for r in records],
         "e2els_ms": [r.e2el * 1000 if r.ok else None for r in records],
         "itls_ms": [[g * 1000 for g in r.itl] if r.ok else [] for r in records],
+        "cached_tokens": [r.cached_tokens if r.ok else 0 for r in records],
         "errors": [r.error for r in records],
     }
+    if outcome.positions:
+        per["conversation"] = [c for c, _ in outcome.positions]
+        per["turn"] = [t for _, t in outcome.positions]
+    return per
 
 
 async def run_sweep(args: argparse.Namespace, out=sys.stdout) -> dict:
@@ -136,13 +147,11 @@ async def run_sweep(args: argparse.Namespace, out=sys.stdout) -> dict:
         raise ValueError("--extra-body must be a JSON object")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
-    spec = workload_from_args(args)
-    samples = make_workload(spec)
-    warm_spec = WorkloadSpec(**{**asdict(spec), "num_prompts": max(1, args.num_warmups), "seed": spec.seed + 10_000})
-    warm = make_workload(warm_spec)[: args.num_warmups]
+    plan = plan_from_args(args)
+    warm = plan.warmup
     base_url = args.base_url.rstrip("/")
     doc = {"tool": "pdserve bench", "date": _dt.datetime.now().isoformat(timespec="seconds"), "label": args.label,
-           "base_url": base_url, "endpoint": ENDPOINTS[args.endpoint], "workload": asdict(spec),
+           "base_url": base_url, "endpoint": ENDPOINTS[args.endpoint], "workload": plan.workload,
            "ignore_eos": args.ignore_eos, "stream": not args.no_stream, "goodput_slos_ms": slos,
            "percentiles": list(percentiles), "runs": []}
     for rate in rates:
@@ -162,15 +171,20 @@ async def run_sweep(args: argparse.Namespace, out=sys.stdout) -> dict:
                 warm_recs = await warm_up(client, warm, opts, args.max_concurrency or len(warm))
                 if not any(r.ok for r in warm_recs):
                     raise RuntimeError(f"every warm-up request failed: {warm_recs[0].error}")
-            records, duration = await run_load(client, samples, opts, settings, desc=f"rate {fmt_rate(rate)}")
-        m = compute_metrics(records, duration, slos, percentiles)
+            outcome = await execute(plan, client, opts, settings, percentiles, desc=f"rate {fmt_rate(rate)}")
+        m = compute_metrics(outcome.records, outcome.duration_s, slos, percentiles)
         conc = args.max_concurrency or "-"
         print(format_table(m, f"pdserve bench: rate {fmt_rate(rate)}, concurrency {conc}"), file=out)
-        errors = sorted({r.error for r in records if not r.ok})
+        if outcome.turns is not None:
+            print(format_turns(outcome.turns), file=out)
+        errors = sorted({r.error for r in outcome.records if not r.ok})
         for e in errors[:5]:
             print(f"  failed: {e}", file=out)
-        doc["runs"].append({"request_rate": rate, "max_concurrency": args.max_concurrency, "burstiness": args.burstiness,
-                            "metrics": m.to_dict(), "errors": errors[:20], "requests": _per_request(records)})
+        run = {"request_rate": rate, "max_concurrency": args.max_concurrency, "burstiness": args.burstiness,
+               "metrics": m.to_dict(), "errors": errors[:20], "requests": _per_request(outcome)}
+        if outcome.turns is not None:
+            run["turns"] = outcome.turns
+        doc["runs"].append(run)
     if len(doc["runs"]) > 1:
         print(format_sweep(doc["runs"]), file=out)
     return doc

@@ -26,14 +26,17 @@ class RequestOptions:
 
 
 def build_body(sample: Sample, opts: RequestOptions) -> dict:
-    """The JSON body of one request. Raises ValueError for token ids on the chat endpoint."""
+    """The JSON body of one request: ``sample.messages`` (or one user message of ``sample.prompt``) on
+    the chat endpoint, ``sample.prompt`` on completions. Raises ValueError for token ids on chat."""
     body: dict = {"model": opts.model, "max_tokens": sample.output_len, "temperature": opts.temperature,
                   "stream": opts.stream}
     if opts.stream:
         body["stream_options"] = {"include_usage": True}
     if opts.ignore_eos:
         body["ignore_eos"] = True
-    if opts.endpoint == "chat":
+    if opts.endpoint == "chat" and sample.messages is not None:
+        body["messages"] = sample.messages
+    elif opts.endpoint == "chat":
         if not isinstance(sample.prompt, str):
             raise ValueError("the chat endpoint needs text prompts: use --prompt-format text")
         body["messages"] = [{"role": "user", "content": sample.prompt}]
@@ -48,6 +51,11 @@ def _choice_text(choice: dict) -> str:
         return choice.get("text") or ""
     delta = choice.get("delta") or choice.get("message") or {}
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+def _cached_tokens(usage: dict) -> int:
+    details = usage.get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
 
 
 def _error_text(status: int, raw: bytes) -> str:
@@ -74,6 +82,7 @@ async def send_request(client: httpx.AsyncClient, sample: Sample, opts: RequestO
                 return rec
             data = r.json()
             rec.chunk_times = [now]
+            rec.text = "".join(_choice_text(c) for c in data.get("choices") or [])
             usage = data.get("usage")
         else:
             async with client.stream("POST", url, json=body) as r:
@@ -94,8 +103,10 @@ async def send_request(client: httpx.AsyncClient, sample: Sample, opts: RequestO
                         return rec
                     if event.get("usage"):
                         usage = event["usage"]
-                    if any(_choice_text(c) for c in event.get("choices") or []):
+                    text = "".join(_choice_text(c) for c in event.get("choices") or [])
+                    if text:
                         rec.chunk_times.append(now)
+                        rec.text += text
     except (httpx.HTTPError, ValueError) as err:
         rec.error = f"{type(err).__name__}: {err}"
         return rec
@@ -105,6 +116,7 @@ async def send_request(client: httpx.AsyncClient, sample: Sample, opts: RequestO
     if usage:
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+        rec.cached_tokens = _cached_tokens(usage)
     if rec.output_tokens <= 0:  # no usage: one token per content chunk
         rec.output_tokens = len(rec.chunk_times)
     rec.ok = True

@@ -14,6 +14,9 @@ Definitions (the same as ``vllm bench serve``):
 - **goodput**: completed requests that meet every given SLO (``ttft``, ``tpot``, ``e2el`` in ms),
   per second of benchmark duration. **SLO attainment** is that count over all requests sent
   (a failed request misses every SLO).
+- **prefix-cache hit rate**: prompt tokens the server's prefix cache held
+  (``usage.prompt_tokens_details.cached_tokens``, OpenAI's field) over prompt tokens, summed over
+  completed requests (a server that does not report the field counts as 0 hits).
 - Percentiles: linear interpolation between closest ranks (``numpy.percentile``'s default).
 """
 
@@ -31,7 +34,9 @@ class RequestRecord:
     """What the client saw of one request. Times are seconds on one monotonic clock.
 
     ``chunk_times`` are the arrival times of the streamed chunks that carried generated text
-    (for a non-streamed request: one entry, the answer's arrival).
+    (for a non-streamed request: one entry, the answer's arrival). ``cached_tokens`` is the answer's
+    ``usage.prompt_tokens_details.cached_tokens`` (0 when absent); ``text`` the generated text
+    (what a multi-turn conversation sends back as the assistant's message).
     """
 
     ok: bool
@@ -39,6 +44,8 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
+    text: str = ""
     error: str = ""
 
     @property
@@ -104,6 +111,11 @@ def summarize_ms(values_s: list[float], percentiles: tuple[float, ...] = DEFAULT
     return out
 
 
+def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """Prefix-cache hit rate: cached prompt tokens / prompt tokens (NaN for no prompt tokens)."""
+    return cached_tokens / prompt_tokens if prompt_tokens > 0 else math.nan
+
+
 def meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
     """Whether a completed request meets every SLO (ms). TPOT of a one-token request is 0."""
     if not r.ok or not r.chunk_times:
@@ -122,6 +134,8 @@ class BenchMetrics:
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int
+    total_cached_tokens: int
+    prefix_hit_rate: float
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
@@ -152,11 +166,13 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slos: dict[
     itls = [g for r in done for g in r.itl]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
     slos = dict(slos or {})
     good = sum(1 for r in done if meets_slos(r, slos)) if slos else None
     return BenchMetrics(
         num_requests=len(records), completed=len(done), failed=len(records) - len(done), duration_s=duration_s,
-        total_input_tokens=in_tokens, total_output_tokens=out_tokens,
+        total_input_tokens=in_tokens, total_output_tokens=out_tokens, total_cached_tokens=cached,
+        prefix_hit_rate=hit_rate(cached, in_tokens),
         request_throughput=len(done) / duration_s, output_throughput=out_tokens / duration_s,
         total_token_throughput=(in_tokens + out_tokens) / duration_s,
         goodput_slos_ms=slos, good_requests=good,
@@ -167,3 +183,26 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slos: dict[
         itl_ms=summarize_ms(itls, percentiles),
         e2el_ms=summarize_ms([r.e2el for r in done], percentiles),
     )
+
+
+def per_turn_summary(conversations: list[list[RequestRecord]],
+                     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES) -> list[dict]:
+    """One entry per turn (1-based ``turn``) of multi-turn records (``conversations[c][t]`` = turn
+    ``t + 1`` of conversation ``c``): completed/failed counts, TTFT and E2EL summaries (ms), mean
+    prompt and cached tokens and the prefix-cache hit rate of that turn over the completed requests."""
+    num_turns = max((len(c) for c in conversations), default=0)
+    turns = []
+    for t in range(num_turns):
+        recs = [c[t] for c in conversations if len(c) > t]
+        done = [r for r in recs if r.ok and r.chunk_times]
+        prompt = sum(r.prompt_tokens for r in done)
+        cached = sum(r.cached_tokens for r in done)
+        turns.append({
+            "turn": t + 1, "completed": len(done), "failed": len(recs) - len(done),
+            "mean_prompt_tokens": prompt / len(done) if done else math.nan,
+            "mean_cached_tokens": cached / len(done) if done else math.nan,
+            "prefix_hit_rate": hit_rate(cached, prompt),
+            "ttft_ms": summarize_ms([r.ttft for r in done], percentiles),
+            "e2el_ms": summarize_ms([r.e2el for r in done], percentiles),
+        })
+    return turns

@@ -30,6 +30,8 @@ def format_table(m: BenchMetrics, title: str) -> str:
     row("Benchmark duration (s):", _f(m.duration_s))
     row("Total input tokens:", str(m.total_input_tokens))
     row("Total generated tokens:", str(m.total_output_tokens))
+    row("Cached prompt tokens:", str(m.total_cached_tokens))
+    row("Prefix cache hit rate (%):", _f(100.0 * m.prefix_hit_rate, 1))
     row("Request throughput (req/s):", _f(m.request_throughput))
     if m.request_goodput is not None:
         row("SLOs (ms):", " ".join(f"{k}:{v:g}" for k, v in m.goodput_slos_ms.items()))
@@ -64,6 +66,23 @@ def format_sweep(runs: list[dict]) -> str:
             f"{_f(None if m['slo_attainment'] is None else 100 * m['slo_attainment'], 1):>6} "
             f"{_f(m['ttft_ms']['median'], 1):>9} {_f(m['ttft_ms'].get('p99'), 1):>9} "
             f"{_f(m['tpot_ms']['median'], 1):>9} {_f(m['tpot_ms'].get('p99'), 1):>9}")
+    return "\n".join(lines)
+
+
+def format_turns(turns: list[dict]) -> str:
+    """One line per turn of a multiturn run, then turn N's TTFT p50 over turn 1's."""
+    head = (f"{'turn':>4} {'ok':>4} {'failed':>6} {'prompt tok':>10} {'cached tok':>10} {'hit %':>6} "
+            f"{'TTFT p50':>9} {'TTFT p90':>9} {'E2EL p50':>9}")
+    lines = [head]
+    for t in turns:
+        lines.append(f"{t['turn']:>4} {t['completed']:>4} {t['failed']:>6} {_f(t['mean_prompt_tokens'], 1):>10} "
+                     f"{_f(t['mean_cached_tokens'], 1):>10} {_f(100 * t['prefix_hit_rate'], 1):>6} "
+                     f"{_f(t['ttft_ms']['median'], 1):>9} {_f(t['ttft_ms'].get('p90'), 1):>9} "
+                     f"{_f(t['e2el_ms']['median'], 1):>9}")
+    if len(turns) > 1:
+        first, last = turns[0]["ttft_ms"]["median"], turns[-1]["ttft_ms"]["median"]
+        ratio = last / first if first and not math.isnan(first) and not math.isnan(last) else None
+        lines.append(f"turn {turns[-1]['turn']} TTFT p50 / turn 1 TTFT p50: {_f(ratio)}")
     return "\n".join(lines)
 
 

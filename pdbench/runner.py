@@ -14,6 +14,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -47,7 +48,8 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, theta) for _ in range(n)]
 
 
-def _progress(total: int, enabled: bool, desc: str):
+def progress_bar(total: int, enabled: bool, desc: str):
+    """A tqdm bar on stderr, or None (disabled, or tqdm not installed)."""
     if not enabled:
         return None
     try:
@@ -76,20 +78,18 @@ async def warm_up(client: httpx.AsyncClient, samples: list[Sample], opts: Reques
     return list(await asyncio.gather(*(one(s) for s in samples)))
 
 
-async def run_load(client: httpx.AsyncClient, samples: list[Sample], opts: RequestOptions,
-                   settings: RunSettings, desc: str = "bench") -> tuple[list[RequestRecord], float]:
-    """Send ``samples`` with the configured arrivals; return (records in sample order, duration s)."""
-    gaps = arrival_gaps(len(samples), settings.request_rate, settings.burstiness, settings.seed)
+async def dispatch(jobs: list[Callable[[], Awaitable[None]]], settings: RunSettings, bar=None) -> float:
+    """Start each job after its arrival gap, at most ``max_concurrency`` at once; cancel whatever is
+    still running at ``max_duration_s``. Returns the duration (s). A job fills in its own results."""
+    gaps = arrival_gaps(len(jobs), settings.request_rate, settings.burstiness, settings.seed)
     sem = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
-    bar = _progress(len(samples), settings.progress, desc)
-    records: list[RequestRecord | None] = [None] * len(samples)
 
-    async def one(i: int, s: Sample) -> None:
+    async def one(job: Callable[[], Awaitable[None]]) -> None:
         if sem is None:
-            records[i] = await send_request(client, s, opts)
+            await job()
         else:
             async with sem:
-                records[i] = await send_request(client, s, opts)
+                await job()
         if bar is not None:
             bar.update(1)
 
@@ -97,12 +97,12 @@ async def run_load(client: httpx.AsyncClient, samples: list[Sample], opts: Reque
     deadline = start + settings.max_duration_s
     tasks: list[asyncio.Task] = []
     try:
-        for i, (s, gap) in enumerate(zip(samples, gaps)):
+        for job, gap in zip(jobs, gaps):
             if gap > 0:
                 await asyncio.sleep(min(gap, max(0.0, deadline - time.perf_counter())))
             if time.perf_counter() >= deadline:
                 break
-            tasks.append(asyncio.create_task(one(i, s)))
+            tasks.append(asyncio.create_task(one(job)))
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
             for t in pending:
@@ -114,8 +114,26 @@ async def run_load(client: httpx.AsyncClient, samples: list[Sample], opts: Reque
             t.cancel()
         if bar is not None:
             bar.close()
-    duration = time.perf_counter() - start
-    cut = f"not finished within --max-duration {settings.max_duration_s:g} s"
-    out = [r if r is not None else RequestRecord(ok=False, error=cut, prompt_tokens=s.prompt_len)
+    return time.perf_counter() - start
+
+
+def cut_message(settings: RunSettings) -> str:
+    """The error of a request the run's ``max_duration_s`` cut or never started."""
+    return f"not finished within --max-duration {settings.max_duration_s:g} s"
+
+
+async def run_load(client: httpx.AsyncClient, samples: list[Sample], opts: RequestOptions,
+                   settings: RunSettings, desc: str = "bench") -> tuple[list[RequestRecord], float]:
+    """Send ``samples`` with the configured arrivals; return (records in sample order, duration s)."""
+    records: list[RequestRecord | None] = [None] * len(samples)
+
+    def job(i: int, s: Sample) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            records[i] = await send_request(client, s, opts)
+        return run
+
+    bar = progress_bar(len(samples), settings.progress, desc)
+    duration = await dispatch([job(i, s) for i, s in enumerate(samples)], settings, bar)
+    out = [r if r is not None else RequestRecord(ok=False, error=cut_message(settings), prompt_tokens=s.prompt_len)
            for r, s in zip(records, samples)]
     return out, duration

@@ -102,6 +102,10 @@ class KVTransferSettings(StrictModel):
         "(sockets, always available), or 'auto' = ucx where ucxx imports, else tcp (the server logs which)")
     lease_ms: int = Field(30_000, ge=1, description="a parked request's blocks are freed after this long unpulled")
     timeout_ms: int = Field(10_000, ge=1, description="a gen-side pull fails after this long")
+    ctx_wait_ms: int = Field(
+        60_000, ge=1, description="generation_first: a gen server waits this long for the ctx server to park "
+        "the request's KV (its queueing plus prefill; the pull itself is bounded by timeout_ms), then fails the "
+        "request and both servers free its blocks")
     same_host_reads: bool = Field(
         True, description="ucx: a gen server reads a same-host ctx server's blocks with process_vm_readv "
         "(the ctx process allows same-user readers with prctl(PR_SET_PTRACER) where Yama restricts ptrace); "
@@ -171,6 +175,10 @@ class OrchestratorSettings(StrictModel):
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a registered server that has not heartbeated for this long is dropped")
     startup_timeout_s: float = Field(180.0, gt=0, description="how long `pdserve up` waits for readiness")
     drain_timeout_s: float = Field(300.0, gt=0, description="scale-down waits this long for in-flight requests before stopping a server")
+    schedule_style: Literal["context_first", "generation_first"] = Field(
+        "context_first", description="context_first: the ctx phase, then the gen phase (two round trips in a row); "
+        "generation_first: both at once, the gen server allocates and waits for the ctx server's KV "
+        "(kv_transfer.ctx_wait_ms)")
     max_local_prefill_length: int = Field(0, ge=0, description="prompts shorter than this many tokens run colocated on a gen server (0 = off)")
     kv_aware_balance_threshold: int = Field(4, ge=0, description="kv_cache_aware: ignore prefix affinity when the best match has this many more in-flight requests than the least loaded server")
     admin_token_env: str = Field("PDSERVE_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",

@@ -29,6 +29,8 @@ TokenIdLax = Annotated[int, Field(ge=0, le=2**31 - 1)]  # where a lax int was ac
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 # Where a ctx rank serves its parked blocks: ``tcp://host:port`` or ``ucx://<worker address>``.
 KVEndpoint = Annotated[str, Field(pattern=r"^(tcp|ucx)://\S+$", max_length=65536)]  # UCX worker addresses run to kilobytes
+# generation_first: the ctx server a gen server waits on (its HTTP base URL, no path).
+CtxURL = Annotated[str, Field(pattern=r"^https?://[^/\s]+$", max_length=2048)]
 
 
 class KVLayoutModel(BaseModel):
@@ -62,6 +64,11 @@ class DisaggregatedParams(BaseModel):
     ``kv_block_count``, ``lease_deadline`` (unix seconds) and ``cached_tokens`` (prompt tokens the
     ctx server's prefix cache held; the gen server reports them in ``usage``). The orchestrator
     forwards them to the gen server with ``request_type = "generation_only"``.
+
+    generation_first (``orchestrator.schedule_style``): the gen request goes out with the ctx
+    request and carries only ``disagg_request_id`` and ``ctx_url`` (the ctx server's base URL); the
+    gen server allocates, asks ``POST {ctx_url}/disagg/lease`` for the rest (``pdserve.kv_wait``)
+    and then pulls as above.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -81,9 +88,19 @@ class DisaggregatedParams(BaseModel):
         None, description="ctx answer: logprobs of first_gen_tokens (the request asked for logprobs)")
     prompt_logprobs: list["TokenLogprobModel | None"] | None = Field(
         None, description="ctx answer: prompt logprobs (echo with logprobs); None for the first prompt token")
+    ctx_url: CtxURL | None = Field(None, description="generation_first: the ctx server to wait on for the rest")
+
+    @property
+    def awaits_ctx(self) -> bool:
+        """A generation_first gen request: the ctx state comes later, from ``ctx_url``."""
+        return self.request_type == "generation_only" and self.ctx_request_id is None and self.ctx_url is not None
 
     @model_validator(mode="after")
     def _generation_only_has_ctx_state(self) -> "DisaggregatedParams":
+        if self.awaits_ctx:
+            if not self.disagg_request_id:
+                raise ValueError("a generation_only request with ctx_url (generation_first) needs disagg_request_id")
+            return self
         if self.request_type == "generation_only":
             missing = [k for k in ("ctx_request_id", "first_gen_tokens", "prompt_token_ids", "kv_endpoint", "kv_layout")
                        if getattr(self, k) is None]

@@ -74,3 +74,38 @@ def test_bench_chat_text_prefix_workload(cluster, tmp_path):
 def test_bench_reports_unreachable_server(tmp_path):
     res = pdserve_bench("--base-url", "http://127.0.0.1:9", "--num-prompts", "2", "--disable-tqdm", timeout=60)
     assert res.returncode == 1 and "error:" in res.stderr
+
+
+def test_bench_multiturn_through_the_orchestrator(cluster, tmp_path):
+    """Turns in sequence, history sent back: from turn 2 on the ctx server's prefix cache holds the
+    previous turn's prompt (block_size 4), so every later turn reports cached prompt tokens."""
+    res = pdserve_bench("--base-url", cluster.url, "--endpoint", "chat", "--workload", "multiturn",
+                        "--num-conversations", "2", "--num-turns", "3", "--input-len", "8", "--output-len", "4",
+                        "--ignore-eos", "--max-concurrency", "2", "--num-warmups", "0", "--save-result",
+                        "--result-dir", str(tmp_path), "--result-filename", "mt.json", "--disable-tqdm")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "turn 3 TTFT p50 / turn 1 TTFT p50:" in res.stdout and "Prefix cache hit rate (%):" in res.stdout
+    run = json.loads((tmp_path / "mt.json").read_text())["runs"][0]
+    assert run["metrics"]["completed"] == 6 and [t["completed"] for t in run["turns"]] == [2, 2, 2]
+    req = run["requests"]
+    assert req["conversation"] == [0, 0, 0, 1, 1, 1] and req["turn"] == [1, 2, 3, 1, 2, 3]
+    for c in (0, 3):
+        lens, cached = req["input_lens"][c:c + 3], req["cached_tokens"][c:c + 3]
+        assert lens[0] < lens[1] < lens[2]                  # each turn carries the whole history
+        for prev, hit in zip(lens, cached[1:]):
+            assert hit >= (prev - 1) // 4 * 4 - 4, (lens, cached)   # previous prompt's blocks were a hit
+    assert run["turns"][1]["prefix_hit_rate"] > 0.3
+
+
+def test_bench_system_prompt_through_the_orchestrator(cluster, tmp_path):
+    res = pdserve_bench("--base-url", cluster.url, "--workload", "system-prompt", "--prefix-len", "40",
+                        "--input-len", "6", "--num-prefixes", "1", "--output-len", "2", "--num-prompts", "4",
+                        "--max-concurrency", "1", "--vocab-size", "49152", "--extra-body",
+                        '{"cache_salt": "system-prompt-test"}', "--save-result", "--result-dir", str(tmp_path),
+                        "--result-filename", "sp.json", "--disable-tqdm")
+    assert res.returncode == 0, res.stdout + res.stderr
+    req = json.loads((tmp_path / "sp.json").read_text())["runs"][0]["requests"]
+    assert req["input_lens"] == [46] * 4
+    # The first request computes the shared 40 tokens (10 blocks of 4; the warm-up has its own prefix),
+    # the others reuse them.
+    assert req["cached_tokens"] == [0, 40, 40, 40]

@@ -15,9 +15,10 @@ def _ctx(engine, rid, prompt, n):
     return outs[0]
 
 
-def _gen(engine, src, rid, prompt, first, parked, n):
+def _gen(engine, src, rid, prompt, first, parked, n, later=False):
+    """``later``: generation_first, the first tokens come with kv_ready (admitted before the ctx sampled)."""
     engine.add_request(EngineRequest(rid, prompt, greedy(n), phase=Phase.GENERATION_ONLY,
-                                     first_token_ids=first))
+                                     first_token_ids=None if later else first, first_tokens_later=later))
     step = engine.step()
     assert step.outputs == [] and len(step.kv_pulls) == 1
     pull = step.kv_pulls[0]
@@ -25,7 +26,10 @@ def _gen(engine, src, rid, prompt, first, parked, n):
     for _ in range(3):   # not scheduled until the KV is there
         assert engine.step().outputs == []
     engine.kv_cache[pull.block_ids] = src.kv_cache[parked]
-    engine.kv_ready(rid, ok=True)
+    if later:
+        engine.kv_ready(rid, ok=True, first_token_ids=first, num_cached_tokens=0)
+    else:
+        engine.kv_ready(rid, ok=True)
     tokens, outs = [], []
     while engine.has_work():
         for o in engine.step().outputs:
@@ -40,8 +44,9 @@ def _prompt_of_len(tok, n):
     return ids[:n]
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["context_first", "generation_first"])
 @pytest.mark.parametrize("plen", [1, 5, 16, 17, 50])
-def test_split_equals_colocated(tiny_engine_factory, tiny_engine, plen):
+def test_split_equals_colocated(tiny_engine_factory, tiny_engine, plen, later):
     ctx_eng, gen_eng = tiny_engine, tiny_engine_factory(num_kv_blocks=64)
     prompt = _prompt_of_len(tiny_engine.tokenizer, plen)
     assert len(prompt) == plen
@@ -52,7 +57,7 @@ def test_split_equals_colocated(tiny_engine_factory, tiny_engine, plen):
     assert out.num_output_tokens == 1 and len(out.parked_block_ids) == -(-plen // 16)
     free_before = ctx_eng.num_free_blocks
     tokens, outs = _gen(gen_eng, ctx_eng, "x", prompt, out.new_token_ids,
-                        out.parked_block_ids, n)
+                        out.parked_block_ids, n, later)
     assert tokens == colocated
     assert outs[-1].num_output_tokens == n and outs[-1].finish_reason == "length"
     assert ctx_eng.release_parked("x") and not ctx_eng.release_parked("x")
@@ -87,6 +92,20 @@ def test_gen_only_first_token_can_finish(tiny_engine):
     assert [(o.new_token_ids, o.finish_reason, o.num_output_tokens) for o in outs] == \
         [([9], "length", 1)]
     assert pull.block_ids and eng.num_free_blocks == eng.config.num_kv_blocks
+
+
+def test_first_tokens_later_needs_them_absent_and_can_finish_at_kv_ready(tiny_engine):
+    eng = tiny_engine
+    with pytest.raises(ValueError, match="first_tokens_later"):
+        eng.add_request(EngineRequest("g0", [5, 6, 7], greedy(1), phase=Phase.GENERATION_ONLY,
+                                      first_token_ids=[9], first_tokens_later=True))
+    eng.add_request(EngineRequest("g1", [5, 6, 7], greedy(1), phase=Phase.GENERATION_ONLY, first_tokens_later=True))
+    pull = eng.step().kv_pulls[0]
+    assert pull.block_ids  # allocated before anyone knows the first token
+    eng.kv_ready("g1", ok=True, first_token_ids=[9], num_cached_tokens=2)
+    outs = eng.step().outputs
+    assert [(o.new_token_ids, o.finish_reason, o.num_cached_tokens) for o in outs] == [([9], "length", 2)]
+    assert eng.num_free_blocks == eng.config.num_kv_blocks
 
 
 def test_failed_pull_and_aborts(tiny_engine):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from tests.integration.procs import Cluster, Procs, write_topology
+from tests.integration.procs import Cluster, Procs, free_port, write_topology
 
 TINY_NAME = "tiny-llama"
 
@@ -38,3 +39,17 @@ def threaded_cluster(tiny_model_dir, tmp_path_factory):
     cluster = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("threaded"))
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def genfirst_url(tiny_cluster, procs, tmp_path_factory) -> str:
+    """A second orchestrator over ``tiny_cluster``'s servers with ``schedule_style: generation_first``
+    (the same servers, so both styles are compared on the same engines)."""
+    doc = {**tiny_cluster.doc, "orchestrator": {**tiny_cluster.doc["orchestrator"], "port": free_port(),
+                                                "schedule_style": "generation_first"}}
+    path = tmp_path_factory.mktemp("topo") / "tiny-genfirst.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    url = f"http://127.0.0.1:{doc['orchestrator']['port']}"
+    procs.start("orchestrator-genfirst", "-m", "orchestrator", "--config", str(path))
+    procs.wait_healthy("orchestrator-genfirst", url)
+    return url

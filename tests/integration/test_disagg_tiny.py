@@ -61,6 +61,12 @@ def run(url: str, path: str, body: dict) -> tuple[str, str | None, dict | None]:
     return "".join(text), finish, usage
 
 
+@pytest.fixture(params=["context_first", "generation_first"])
+def orch(request, tiny_cluster) -> str:
+    """The orchestrator URL of one schedule style (same ctx and gen servers)."""
+    return tiny_cluster.url if request.param == "context_first" else request.getfixturevalue("genfirst_url")
+
+
 def plain(result: tuple) -> tuple:
     """(text, finish_reason, usage) without ``prompt_tokens_details``: which server's prefix cache
     served a prompt may differ between two paths; the answer may not."""
@@ -70,10 +76,10 @@ def plain(result: tuple) -> tuple:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_disaggregated_equals_colocated(tiny_cluster, path, stream):
+def test_disaggregated_equals_colocated(tiny_cluster, orch, path, stream):
     for prompt in PROMPTS:
         body = chat_body(prompt, stream) if "chat" in path else completion_body(prompt, stream)
-        disagg = run(tiny_cluster.url, path, body)
+        disagg = run(orch, path, body)
         colocated = run(tiny_cluster.server_url("gen"), path, body)
         # cached_tokens may differ (the gen server's cache now holds the pulled blocks): compared apart.
         hits = [r[2].pop("prompt_tokens_details")["cached_tokens"] for r in (disagg, colocated)]
@@ -88,34 +94,34 @@ def test_single_token_prompt_ids(tiny_cluster):
         plain(run(tiny_cluster.server_url("ctx"), "/v1/completions", body))
 
 
-def test_max_tokens_one_finishes_on_ctx(tiny_cluster):
+def test_max_tokens_one_finishes_on_ctx(tiny_cluster, orch):
     body = completion_body("hello there", False, max_tokens=1)
-    text, finish, usage = run(tiny_cluster.url, "/v1/completions", body)
+    text, finish, usage = run(orch, "/v1/completions", body)
     assert finish == "length" and usage["completion_tokens"] == 1
     assert plain((text, finish, usage)) == plain(run(tiny_cluster.server_url("gen"), "/v1/completions", body))
-    streamed = run(tiny_cluster.url, "/v1/completions", {**body, "stream": True})
+    streamed = run(orch, "/v1/completions", {**body, "stream": True})
     assert streamed[:2] == (text, finish)
 
 
-def test_eight_concurrent_equal_each_alone(tiny_cluster):
+def test_eight_concurrent_equal_each_alone(tiny_cluster, orch):
     bodies = [completion_body(p, False, max_tokens=16) for p in PROMPTS[:8]]
-    alone = [run(tiny_cluster.url, "/v1/completions", b) for b in bodies]
+    alone = [run(tiny_cluster.url, "/v1/completions", b) for b in bodies]  # context_first, one at a time
 
     async def all_at_once():
         async with httpx.AsyncClient(timeout=60) as c:
-            rs = await asyncio.gather(*[c.post(tiny_cluster.url + "/v1/completions", json=b) for b in bodies])
+            rs = await asyncio.gather(*[c.post(orch + "/v1/completions", json=b) for b in bodies])
         return [(r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"], r.json()["usage"]) for r in rs]
 
     assert [plain(r) for r in asyncio.run(all_at_once())] == [plain(r) for r in alone]
 
 
-def test_stop_string_disagg_equals_colocated(tiny_cluster):
+def test_stop_string_disagg_equals_colocated(tiny_cluster, orch):
     base = completion_body(PROMPTS[6], False, max_tokens=24)
     full, _, _ = run(tiny_cluster.server_url("gen"), "/v1/completions", base)
     stop = full[len(full) // 2: len(full) // 2 + 3]
     assert stop.strip(), "need a non-blank stop string"
     body = {**base, "stop": [stop]}
-    result = run(tiny_cluster.url, "/v1/completions", body)
+    result = run(orch, "/v1/completions", body)
     assert plain(result) == plain(run(tiny_cluster.server_url("gen"), "/v1/completions", body))
     assert result[1] == "stop" and stop not in result[0]
 
@@ -163,15 +169,18 @@ def test_models_and_health(tiny_cluster):
     assert isinstance(windows[0], int) and windows[0] == min(windows[1:])  # the orchestrator's = its servers'
 
 
-def test_pulled_lease_frees_ctx_blocks(tiny_cluster):
-    ctx = tiny_cluster.server_url("ctx")
-    start = server_info(ctx)["free_blocks"]
-    run(tiny_cluster.url, "/v1/completions", completion_body(PROMPTS[9], False, max_tokens=4))
+def test_pulled_lease_frees_ctx_blocks(tiny_cluster, orch):
+    ctx, gen = tiny_cluster.server_url("ctx"), tiny_cluster.server_url("gen")
+    start = server_info(ctx)["free_blocks"], server_info(gen)["free_blocks"]
+    answered = server_info(ctx)["lease_waits_answered"]
+    run(orch, "/v1/completions", completion_body(PROMPTS[9], False, max_tokens=4))
+    # generation_first: the gen server asked the ctx server for the lease (once); context_first never does
+    assert server_info(ctx)["lease_waits_answered"] == answered + (orch != tiny_cluster.url)
     deadline = time.monotonic() + 5
-    while server_info(ctx)["free_blocks"] != start and time.monotonic() < deadline:
+    while (server_info(ctx)["free_blocks"], server_info(gen)["free_blocks"]) != start and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server_info(ctx)["free_blocks"] == start
-    assert server_info(ctx)["parked_leases"] == 0
+    assert (server_info(ctx)["free_blocks"], server_info(gen)["free_blocks"]) == start
+    assert server_info(ctx)["parked_leases"] == 0 and server_info(ctx)["lease_waits"] == 0
 
 
 def test_kv_transfer_metrics_on_both_servers(tiny_cluster):

@@ -62,3 +62,42 @@ def test_release_endpoint_frees_blocks_at_once(ctx_url):
     assert info(ctx_url)["free_blocks"] == start
     assert httpx.post(ctx_url + "/disagg/release", json={"ctx_request_id": params["ctx_request_id"]},
                       timeout=5).json() == {"released": False}
+
+
+def lease_wait(url: str, disagg_id: str, wait_ms: int) -> dict:
+    r = httpx.post(url + "/disagg/lease", json={"disagg_request_id": disagg_id, "wait_ms": wait_ms},
+                   timeout=wait_ms / 1000 + 10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_lease_wait_before_and_after_the_park_then_gone_with_the_lease(ctx_url):
+    """generation_first's waiting pull against a real ctx server (any order; answers end with the lease)."""
+    import threading
+
+    early: list[dict] = []
+    waiter = threading.Thread(target=lambda: early.append(lease_wait(ctx_url, "w-1", 10_000)))
+    waiter.start()
+    time.sleep(0.3)  # the wait is held before the ctx request exists
+    assert info(ctx_url)["lease_waits"] == 1
+    body = {"model": TINY_NAME, "prompt": "one two three four five six", "max_tokens": 5, "temperature": 0,
+            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": "w-1"}}
+    params = httpx.post(ctx_url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["disaggregated_params"]
+    waiter.join(10)
+    assert early and early[0]["state"] == "parked"
+    assert early[0]["disaggregated_params"]["ctx_request_id"] == params["ctx_request_id"]
+    assert early[0]["disaggregated_params"]["first_gen_tokens"] == params["first_gen_tokens"]
+    late = lease_wait(ctx_url, "w-1", 10_000)  # after the park: at once, the same lease
+    assert late["state"] == "parked" and late["disaggregated_params"]["ctx_request_id"] == params["ctx_request_id"]
+    time.sleep(LEASE_MS / 1000 + 0.5)  # the lease expired: nothing to hand out any more
+    t0 = time.monotonic()
+    assert lease_wait(ctx_url, "w-1", 300)["state"] == "timeout"
+    assert 0.25 < time.monotonic() - t0 < 3
+    assert info(ctx_url)["lease_waits"] == 0
+
+
+def test_lease_wait_hears_a_first_token_that_ended_the_request(ctx_url):
+    body = {"model": TINY_NAME, "prompt": "alpha beta", "max_tokens": 1, "temperature": 0,
+            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": "w-2"}}
+    assert httpx.post(ctx_url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["finish_reason"] == "length"
+    assert lease_wait(ctx_url, "w-2", 5_000)["state"] == "finished"

@@ -3,6 +3,10 @@
 Token ``i`` of every answer is ``TOKENS[i % len(TOKENS)]``; the ctx server samples token 0 and the
 gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once).
 A :class:`Behavior` injects failures; a :class:`Record` keeps what each server saw.
+
+generation_first: the fake ctx server answers ``POST /disagg/lease`` (``pdserve.kv_wait``) once its
+context request for that ``disagg_request_id`` has been answered (or at once if it was); a fake
+gen server given ``ctx_url`` really waits on it before it streams.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class Behavior:
     kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
     max_model_len: int = 2048              # what /server_info reports
     reset_status: int = 200                # POST /reset_prefix_cache answers this
+    ctx_wait_ms: int = 5000                # gen, generation_first: how long it waits on the ctx server
+    ctx_delay_s: float = 0.0               # ctx: think this long before answering (a slow prefill)
 
 
 @dataclass
@@ -59,6 +65,8 @@ class Record:
     aborted_requests: int = 0              # non-stream requests whose client left before the answer
     finished_streams: int = 0
     prefix_resets: list[str | None] = field(default_factory=list)  # the Authorization header of each
+    sources: list[str] = field(default_factory=list)  # gen, generation_first: ctx_request_id each wait returned
+    arrived_s: list[float] = field(default_factory=list)  # time.monotonic() when each completion request came
 
 
 def _max_tokens(body: dict, chat: bool) -> int:
@@ -93,17 +101,33 @@ def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: boo
                       "choices": [{"index": 0, "text": text or "", "finish_reason": finish}]})
 
 
-def _ctx_answer(rec: Record, chat: bool, body: dict) -> JSONResponse:
+def _ctx_answer(rec: Record, chat: bool, body: dict) -> tuple[JSONResponse, dict]:
+    """The ctx answer and the lease-wait outcome it settles."""
     n = _max_tokens(body, chat)
     if n == 1:
-        return JSONResponse(_answer(chat, text_of(1), "length", 1, None))
+        return JSONResponse(_answer(chat, text_of(1), "length", 1, None)), {"state": "finished"}
     lease = f"lease-{uuid.uuid4().hex[:8]}"
     rec.leases.add(lease)
     dp = {"request_type": "context_only", "disagg_request_id": body["disaggregated_params"]["disagg_request_id"],
           "ctx_request_id": lease, "first_gen_tokens": [0], "prompt_token_ids": PROMPT_TOKENS,
           "kv_endpoint": "tcp://127.0.0.1:1", "kv_block_count": 1, "lease_deadline": time.time() + 30,
           "kv_layout": KV_LAYOUT}
-    return JSONResponse(_answer(chat, text_of(1), None, 1, dp))
+    return JSONResponse(_answer(chat, text_of(1), None, 1, dp)), {"state": "parked", "disaggregated_params": dp}
+
+
+async def _wait_ctx(beh: Behavior, rec: Record, dp: dict) -> JSONResponse | None:
+    """generation_first: wait on the ctx server named in ``dp``; None when it parked, else the error answer."""
+    import httpx  # here, not at the top: the launcher tests time how fast a fake process starts
+
+    wait = {"disagg_request_id": dp["disagg_request_id"], "wait_ms": beh.ctx_wait_ms}
+    async with httpx.AsyncClient(timeout=beh.ctx_wait_ms / 1000 + 5, trust_env=False) as client:
+        answer = (await client.post(dp["ctx_url"] + "/disagg/lease", json=wait)).json()
+    if answer["state"] == "parked":
+        rec.sources.append(answer["disaggregated_params"]["ctx_request_id"])
+        return None
+    kind, status = {"timeout": ("ctx_wait_timeout", 504), "finished": ("ctx_finished", 409)}.get(
+        answer["state"], ("ctx_failed", 502))
+    return JSONResponse(error_body(f"ctx wait: {answer['state']}", kind, status), status_code=status)
 
 
 def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
@@ -138,22 +162,43 @@ def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
 def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
     """A FastAPI app behaving like a ctx (``role="ctx"``) or gen server."""
     app = FastAPI()
+    outcomes: dict[str, asyncio.Future] = {}  # ctx: disagg_request_id -> lease-wait outcome (this app's loop)
+
+    def outcome(disagg_id: str) -> asyncio.Future:
+        return outcomes.setdefault(disagg_id, asyncio.get_running_loop().create_future())
+
+    def settle(body: dict, answer: dict) -> None:
+        fut = outcome((body.get("disaggregated_params") or {}).get("disagg_request_id") or "")
+        if not fut.done():
+            fut.set_result(answer)
 
     async def complete(request: Request, chat: bool):
         body = await request.json()
         rec.bodies.append(body)
+        rec.arrived_s.append(time.monotonic())
         rec.request_ids.append(request.headers.get("x-request-id"))
         if beh.fail_status is not None and beh.fail_times > 0:
             beh.fail_times -= 1
+            if role == "ctx":
+                settle(body, {"state": "failed", "message": "injected failure"})
             return JSONResponse(error_body("injected failure", "internal_server_error", beh.fail_status),
                                 status_code=beh.fail_status)
         if REJECT_MARKER in json.dumps(body):
+            if role == "ctx":
+                settle(body, {"state": "failed", "message": "rejected"})
             return JSONResponse(error_body("prompt is too long", "invalid_request_error", 400, "messages"), 400)
         dp = body.get("disaggregated_params") or {}
         if role == "ctx":
             assert dp.get("request_type") == "context_only" and body["stream"] is False
-            return _ctx_answer(rec, chat, body)
-        assert dp.get("request_type") == "generation_only" and dp.get("ctx_request_id")
+            await asyncio.sleep(beh.ctx_delay_s)
+            answer, result = _ctx_answer(rec, chat, body)
+            settle(body, result)
+            return answer
+        assert dp.get("request_type") == "generation_only" and (dp.get("ctx_request_id") or dp.get("ctx_url"))
+        if not dp.get("ctx_request_id"):
+            failed = await _wait_ctx(beh, rec, dp)
+            if failed is not None:
+                return failed
         if body.get("stream"):
             return _gen_stream(beh, rec, chat, body)
         n = _max_tokens(body, chat)
@@ -193,6 +238,14 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
             return JSONResponse(error_body("injected failure", "internal_server_error", beh.reset_status),
                                 beh.reset_status)
         return {"freed_blocks": 3}
+
+    @app.post("/disagg/lease")
+    async def lease(request: Request):
+        body = await request.json()
+        try:
+            return await asyncio.wait_for(asyncio.shield(outcome(body["disagg_request_id"])), body["wait_ms"] / 1000)
+        except TimeoutError:
+            return {"state": "timeout"}
 
     @app.post("/disagg/release")
     async def release(request: Request):

@@ -1,10 +1,13 @@
-"""Failure rules: ctx retry, gen retry before the first byte, broken streams, lease release."""
+"""Failure rules: ctx retry, gen retry before the first byte, broken streams, lease release —
+under both ``orchestrator.schedule_style`` values (generation_first: the fake gen servers really
+wait on the fake ctx server's lease endpoint)."""
 
 from __future__ import annotations
 
 import time
 
 import httpx
+import pytest
 
 from orch_fakes import text_of
 from orch_sse import parse_sse, stream_text
@@ -18,12 +21,17 @@ def wait_for(cond, timeout_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.fixture(params=["context_first", "generation_first"])
+def style(request) -> str:
+    return request.param
+
+
 def disagg_ids(node) -> list[str]:
     return [b["disaggregated_params"]["disagg_request_id"] for b in node.record.bodies]
 
 
-def test_ctx_5xx_retried_on_next_server_with_same_id(make_cluster):
-    c = make_cluster(n_ctx=2)
+def test_ctx_5xx_retried_on_next_server_with_same_id(make_cluster, style):
+    c = make_cluster(n_ctx=2, schedule_style=style)
     c.ctx[0].behavior.fail_status = 500
     r = httpx.post(c.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert r.status_code == 200, r.text
@@ -32,8 +40,8 @@ def test_ctx_5xx_retried_on_next_server_with_same_id(make_cluster):
     assert len(disagg_ids(c.ctx[1])) == 1
 
 
-def test_ctx_down_server_retried(make_cluster):
-    c = make_cluster(n_ctx=2, health_interval_s=60.0)  # keep ctx[0] "ready" after it dies
+def test_ctx_down_server_retried(make_cluster, style):
+    c = make_cluster(n_ctx=2, health_interval_s=60.0, schedule_style=style)  # keep ctx[0] "ready" after it dies
     c.ctx[0].server.stop()
     r = httpx.post(c.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert r.status_code == 200, r.text
@@ -43,8 +51,8 @@ def test_ctx_down_server_retried(make_cluster):
     assert "ConnectError" in status["pools"]["ctx"]["servers"][0]["last_error"]
 
 
-def test_ctx_failing_everywhere_gives_503_naming_attempts(make_cluster):
-    c = make_cluster(n_ctx=3, max_retries=1)
+def test_ctx_failing_everywhere_gives_503_naming_attempts(make_cluster, style):
+    c = make_cluster(n_ctx=3, max_retries=1, schedule_style=style)
     for node in c.ctx:
         node.behavior.fail_status = 500
     r = httpx.post(c.url + "/v1/chat/completions", json=CHAT, timeout=10)
@@ -54,30 +62,38 @@ def test_ctx_failing_everywhere_gives_503_naming_attempts(make_cluster):
     assert "context phase failed on 2 ctx server(s)" in err["message"]
     assert c.ctx[0].server.url in err["message"] and "HTTP 500" in err["message"]
     assert sum(len(n.record.bodies) for n in c.ctx) == 2  # 1 + max_retries
-    assert c.gen[0].record.bodies == []
+    if style == "context_first":
+        assert c.gen[0].record.bodies == []
+    else:  # each attempt's gen request left with its ctx request (and was cancelled): no KV was handed over
+        assert all("ctx_url" in b["disaggregated_params"] for b in c.gen[0].record.bodies)
+        assert c.gen[0].record.sources == []
 
 
-def test_gen_5xx_before_first_byte_retried(make_cluster):
-    c = make_cluster(n_gen=2)
+def test_gen_5xx_before_first_byte_retried(make_cluster, style):
+    c = make_cluster(n_gen=2, schedule_style=style)
     c.gen[0].behavior.fail_status = 503
     r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
     assert r.status_code == 200
     assert stream_text(parse_sse(r.content), chat=True) == text_of(5)
-    lease0 = c.gen[0].record.bodies[0]["disaggregated_params"]["ctx_request_id"]
     lease1 = c.gen[1].record.bodies[0]["disaggregated_params"]["ctx_request_id"]
-    assert lease0 == lease1  # the same parked KV, pulled by the second gen server
+    if style == "context_first":
+        lease0 = c.gen[0].record.bodies[0]["disaggregated_params"]["ctx_request_id"]
+        assert lease0 == lease1  # the same parked KV, pulled by the second gen server
+    else:  # gen 0 failed its generation_first request; the lease the ctx answer named went to gen 1
+        assert "ctx_url" in c.gen[0].record.bodies[0]["disaggregated_params"]
+        assert lease1 in c.ctx[0].record.leases
     assert c.ctx[0].record.releases == []
 
 
-def test_gen_non_stream_retried(make_cluster):
-    c = make_cluster(n_gen=2)
+def test_gen_non_stream_retried(make_cluster, style):
+    c = make_cluster(n_gen=2, schedule_style=style)
     c.gen[0].behavior.fail_status = 500
     r = httpx.post(c.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == text_of(5)
 
 
-def test_gen_failing_everywhere_gives_503_and_releases_lease(make_cluster):
-    c = make_cluster(n_gen=1)
+def test_gen_failing_everywhere_gives_503_and_releases_lease(make_cluster, style):
+    c = make_cluster(n_gen=1, schedule_style=style)
     c.gen[0].behavior.fail_status = 500
     r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
     assert r.status_code == 503
@@ -86,16 +102,16 @@ def test_gen_failing_everywhere_gives_503_and_releases_lease(make_cluster):
     assert c.ctx[0].record.leases == set()
 
 
-def test_gen_4xx_relayed_and_lease_released(make_cluster):
-    c = make_cluster()
+def test_gen_4xx_relayed_and_lease_released(make_cluster, style):
+    c = make_cluster(schedule_style=style)
     c.gen[0].behavior.fail_status = 400
     r = httpx.post(c.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["message"] == "injected failure"
     wait_for(lambda: len(c.ctx[0].record.releases) == 1)
 
 
-def test_mid_stream_failure_ends_with_error_event(make_cluster):
-    c = make_cluster()
+def test_mid_stream_failure_ends_with_error_event(make_cluster, style):
+    c = make_cluster(schedule_style=style)
     c.gen[0].behavior.break_after_chunks = 2
     r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
     assert r.status_code == 200
@@ -108,8 +124,8 @@ def test_mid_stream_failure_ends_with_error_event(make_cluster):
     assert 'pdserve_orchestrator_errors_total{kind="gen_stream"} 1.0' in metrics
 
 
-def test_stream_without_done_gets_error_event(make_cluster):
-    c = make_cluster()
+def test_stream_without_done_gets_error_event(make_cluster, style):
+    c = make_cluster(schedule_style=style)
     c.gen[0].behavior.no_done = True
     r = httpx.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=10)
     events = parse_sse(r.content)
@@ -117,8 +133,8 @@ def test_stream_without_done_gets_error_event(make_cluster):
     assert "without [DONE]" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
 
 
-def test_client_disconnect_aborts_gen_and_releases_lease(make_cluster):
-    c = make_cluster()
+def test_client_disconnect_aborts_gen_and_releases_lease(make_cluster, style):
+    c = make_cluster(schedule_style=style)
     c.gen[0].behavior.chunk_delay_s = 0.1
     body = {**CHAT, "stream": True, "max_tokens": 100}
     with httpx.Client(timeout=10) as client:
