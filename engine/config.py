@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_DTYPES = ("float32", "bfloat16")
+_DTYPES = ("float32", "bfloat16", "float16")
+CPU_DEFAULT_KV_BLOCKS = 1024
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,13 @@ class EngineConfig:
     dtype: "float32" | "bfloat16" for weights, activations and the KV cache. Always concrete: a
         topology's ``engine.dtype: auto`` is resolved once by the server at start
         (pdserve.dtypes.resolve_dtype, from the CPU flags) and passed down resolved.
-    block_size: tokens per KV block; num_kv_blocks: blocks in the paged KV cache.
+    device: "cpu" | "cuda:N" for weights, KV cache, attention metadata and sampling. Always
+        concrete: ``engine.device: auto`` is resolved once by the server (pdserve.devices).
+    block_size: tokens per KV block; num_kv_blocks: blocks in the paged KV cache; None = on a CPU
+        the default 1024 (CPU_DEFAULT_KV_BLOCKS), on CUDA sized from free device memory
+        (engine.kv_sizing, by gpu_memory_utilization).
+    gpu_memory_utilization: the fraction (0, 1] of the GPU's total memory this engine may use for
+        weights, activations and KV cache (vLLM's meaning: two servers on one GPU set 0.4 each).
     max_batch_size: max running sequences per step; max_num_tokens: token budget per step.
     max_model_len: longest sequence (prompt + output) in tokens; None = min(model max positions,
         num_kv_blocks * block_size).
@@ -32,8 +39,10 @@ class EngineConfig:
 
     model: str
     dtype: str = "float32"
+    device: str = "cpu"
     block_size: int = 16
-    num_kv_blocks: int = 1024
+    num_kv_blocks: int | None = CPU_DEFAULT_KV_BLOCKS
+    gpu_memory_utilization: float = 0.9
     max_batch_size: int = 16
     max_num_tokens: int = 2048
     max_model_len: int | None = None
@@ -51,8 +60,14 @@ class EngineConfig:
                              "(pdserve.dtypes.resolve_dtype with the CPU flags)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda:"):
+            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda:N' (resolved), got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "num_kv_blocks", "max_batch_size", "max_num_tokens"):
             value = getattr(self, name)
+            if name == "num_kv_blocks" and value is None:
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

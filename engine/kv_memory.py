@@ -79,7 +79,7 @@ def _commit(region: mmap.mmap, tensor: torch.Tensor) -> None:
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, path: str | None = None,
-                      huge_pages: bool = True) -> torch.Tensor:
+                      huge_pages: bool = True, device: str = "cpu") -> torch.Tensor:
     """A zeroed KV cache of ``shape`` (``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``).
 
     Args:
@@ -87,7 +87,11 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, path: str | No
             host can map it too (tensor-parallel followers' caches, mapped by rank 0). Such shmem
             gets huge pages only where ``transparent_hugepage/shmem_enabled`` allows; it is not advised.
         huge_pages: put an anonymous cache on transparent huge pages (see the module docstring).
+        device: ``cpu`` or ``cuda:N``; a CUDA cache is plain device memory (``path`` and
+            ``huge_pages`` are host-memory options and are ignored there).
     """
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     if path is not None:
         cache = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
         cache.zero_()

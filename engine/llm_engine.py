@@ -16,6 +16,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
 from engine.kv_event_log import KVEventLog
 from engine.kv_memory import allocate_kv_cache
+from engine.kv_sizing import resolve_num_kv_blocks
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -50,20 +51,24 @@ class LLMEngine:
         """Load weights and tokenizer, allocate the KV cache. Raises FileNotFoundError/ValueError
         (also when the model's KV heads cannot be split over tp.size)."""
         t0 = time.perf_counter()
-        self.config = config
         self.tp = tp or NO_TP
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if config.device != "cpu":
+            torch.cuda.set_device(torch.device(config.device))  # NCCL and default streams follow it
         dtype = getattr(torch, config.dtype)
-        model, path = load_model(config.model, dtype, self.tp)
+        model, path = load_model(config.model, dtype, self.tp, config.device)
         self.model_config = model.config
         self.local_kv_heads = model.shard.num_kv_heads
         mc = model.config
+        # num_kv_blocks None: sized now, after the weights are on the device (engine.kv_sizing)
+        config = dataclasses.replace(config, num_kv_blocks=resolve_num_kv_blocks(config, mc, self.local_kv_heads))
+        self.config = config
         self.kv_cache = allocate_kv_cache((config.num_kv_blocks, mc.num_layers, 2, config.block_size,
                                             self.local_kv_heads, mc.head_dim), dtype, config.kv_cache_file,
-                                           config.kv_cache_huge_pages)
+                                           config.kv_cache_huge_pages, config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size,
-                                  Sampler(model.config.eos_token_ids))
+                                  Sampler(model.config.eos_token_ids), config.device)
         self._plans: PlanBroadcaster | None = None
         if not self.tp.is_driver:
             barrier(self.tp)  # rank 0 loads a tokenizer too: wait for it here, not for a plan
@@ -99,9 +104,17 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
-        included), ``total_blocks``, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
+        included), ``total_blocks``, :meth:`memory_stats`, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
-                **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
+                **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
+
+    def memory_stats(self) -> dict[str, int]:
+        """``kv_cache_bytes`` (this rank's cache) and, on CUDA, ``device_memory_used_bytes`` (what
+        torch's allocator holds on the device: weights, KV cache, live activations; no host sync)."""
+        out = {"kv_cache_bytes": self.kv_cache.nbytes}
+        if self.kv_cache.is_cuda:
+            out["device_memory_used_bytes"] = int(torch.cuda.memory_allocated(self.kv_cache.device))
+        return out
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash; returns how many unreferenced cached blocks were freed."""

@@ -16,14 +16,18 @@ from engine.tp import NO_TP, TPContext
 log = logging.getLogger(__name__)
 
 
-def load_model(spec: str, dtype: torch.dtype, tp: TPContext = NO_TP) -> tuple[LlamaModel, Path]:
-    """Return (model with weights in dtype, resolved path). Raises FileNotFoundError/ValueError.
+def load_model(spec: str, dtype: torch.dtype, tp: TPContext = NO_TP,
+               device: str = "cpu") -> tuple[LlamaModel, Path]:
+    """Return (model with weights in dtype on device, resolved path). Raises FileNotFoundError/ValueError.
 
     With TP every rank reads the whole checkpoint and keeps its shard.
     """
     t0 = time.perf_counter()
     path = resolve_model_path(spec)
     config, state = load_gguf(path) if is_gguf(path) else load_hf_dir(path)
+    if device != "cpu":  # move once, already in dtype: the model's own .to(dtype) are then no-ops
+        state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+                 for k, v in state.items()}
     model = LlamaModel(config, state, dtype, tp)
     log.info("weights of %s loaded in %.2f s", path.name, time.perf_counter() - t0)
     return model, path

@@ -1,6 +1,7 @@
 """Turn a scheduled batch into an execution plan, run the model on it and sample."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,21 @@ class PromptSpan:
     count: int
 
 
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A host tensor on ``device`` (an asynchronous host-to-device copy; None stays None)."""
+    return None if t is None else t.to(device, non_blocking=True)
+
+
+def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """Every index and mask tensor of ``meta`` on ``device``."""
+    prefills = [dataclasses.replace(p, block_ids=_to(p.block_ids, device), mask=_to(p.mask, device))
+                for p in meta.prefills]
+    return dataclasses.replace(meta, slot_blocks=_to(meta.slot_blocks, device),
+                               slot_offsets=_to(meta.slot_offsets, device),
+                               decode_tables=_to(meta.decode_tables, device),
+                               decode_mask=_to(meta.decode_mask, device), prefills=prefills)
+
+
 def _ordered(items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
     """Single-token items (decodes) first: attention batches them; chunks follow."""
     return [it for it in items if it[1] == 1] + [it for it in items if it[1] != 1]
@@ -55,11 +71,14 @@ class ModelRunner:
     """Executes one step for the scheduled (sequence, num_new_tokens) items."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
-                 sampler: Sampler):
+                 sampler: Sampler, device: str = "cpu"):
+        """device: where model, kv_cache and the step's tensors live ("cpu" | "cuda:N"). The plan's
+        indices are built on the host and copied over once per step (no device-to-host read)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
+        self.device = torch.device(device)
 
     def execute(self, items: list[tuple[Sequence, int]]) -> dict[str, int]:
         """Compute KV for the new tokens; return request_id -> sampled token for every sequence
@@ -98,8 +117,11 @@ class ModelRunner:
         rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
         meta = self._metadata(plan.items, pos)
         max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
-        return self.model.forward(torch.tensor(plan.input_ids, dtype=torch.long), pos, rows,
-                                  self.kv_cache, meta, compute_logits=compute_logits,
+        ids = torch.tensor(plan.input_ids, dtype=torch.long)
+        if self.device.type != "cpu":
+            ids, pos, rows, meta = (_to(ids, self.device), _to(pos, self.device), _to(rows, self.device),
+                                    _meta_to(meta, self.device))
+        return self.model.forward(ids, pos, rows, self.kv_cache, meta, compute_logits=compute_logits,
                                   max_position=max_pos)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:

@@ -96,5 +96,12 @@ class RoleStatsCollector:
             yield GaugeMetricFamily("pdserve_kv_cache_cached_blocks",
                                     "KV blocks held by the prefix cache (referenced or evictable)",
                                     value=stats["cached_blocks"])
+        if "kv_cache_bytes" in stats:
+            yield GaugeMetricFamily("pdserve_kv_cache_bytes", "Bytes of the KV cache (rank 0's)",
+                                    value=stats["kv_cache_bytes"])
+        if "device_memory_used_bytes" in stats:
+            yield GaugeMetricFamily("pdserve_device_memory_used_bytes",
+                                    "GPU memory torch holds in rank 0 (weights, KV cache, activations)",
+                                    value=stats["device_memory_used_bytes"])
         if "parked_leases" in stats:
             yield GaugeMetricFamily("pdserve_kv_parked_leases", "Parked KV leases", value=stats["parked_leases"])

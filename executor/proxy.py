@@ -109,7 +109,10 @@ class Proxy:
         router = zctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(self.ready_addr)
-        argv = [mpiexec_path(), "-n", str(tp), sys.executable, "-m", "executor.worker_main", "--ipc-dir", str(self.ipc_dir)]
+        # -launcher fork: the ranks always run on this host. Inside a Slurm step hydra would
+        # otherwise launch them with a nested srun, which waits for CPUs the step already holds.
+        argv = [mpiexec_path(), "-launcher", "fork", "-n", str(tp), sys.executable, "-m", "executor.worker_main",
+                "--ipc-dir", str(self.ipc_dir)]
         # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, which matters when
         # several ranks and servers share few cores (a spinning rank slowed SmolLM2 8x in tests).
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,

@@ -33,25 +33,34 @@ from executor.lifecycle import ExitPolicy, LifecycleServer, ServerLifecycle
 from executor.messages import EngineDead
 from executor.step_guard import guard_engine
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
+from pdserve.devices import visible_cuda_devices
 from pdserve.dtypes import emulation_warning, read_cpu_flags
 from pdserve.exit_codes import EXIT_CONFIG, EXIT_STARTUP
 
 log = logging.getLogger("pdserve.server")
 
 
-def resolve_dtype_once(cfg: ServerConfig, cpu_flags: frozenset[str]) -> ServerConfig:
-    """``cfg`` with ``engine.dtype`` concrete for a CPU with ``cpu_flags``; warns when that is bf16
-    without native bf16 (emulated: 5-20x slower prefill).
+def resolve_dtype_once(cfg: ServerConfig, cpu_flags: frozenset[str],
+                       num_cuda_devices: int | None = None) -> ServerConfig:
+    """``cfg`` with ``engine.device`` and then ``engine.dtype`` concrete, for a process that sees
+    ``num_cuda_devices`` GPUs (None: ask torch, only when the device setting is not ``cpu``) on a CPU
+    with ``cpu_flags``; warns when the dtype is bf16 on a CPU without native bf16 (emulated: 5-20x
+    slower prefill).
 
-    The one place a server resolves its dtype (``main``, before anything is launched): the ranks,
-    the attached frontends, the engine and the KV layout (``/server_info``, the orchestrator's join
-    check) all get the concrete value.
+    The one place a server resolves its device and dtype (``main``, before anything is launched):
+    the ranks, the attached frontends, the engine and the KV layout (``/server_info``, the
+    orchestrator's join check) all get the concrete values. Raises ValueError for a CUDA device
+    this process cannot see.
     """
-    resolved = cfg.with_resolved_dtype(cpu_flags)
-    if (warning := emulation_warning(resolved.engine.dtype, cpu_flags)) is not None:
+    if num_cuda_devices is None:
+        num_cuda_devices = 0 if cfg.engine.device == "cpu" else visible_cuda_devices()
+    cfg = cfg.with_resolved_device(num_cuda_devices)
+    device = cfg.engine.device
+    resolved = cfg.with_resolved_dtype(cpu_flags, device)
+    if (warning := emulation_warning(resolved.engine.dtype, cpu_flags, device)) is not None:
         log.warning("%s[%d]: %s", cfg.role, cfg.index, warning)
     if cfg.engine.dtype == "auto":
-        log.info("%s[%d]: engine.dtype auto resolved to %s", cfg.role, cfg.index, resolved.engine.dtype)
+        log.info("%s[%d]: engine.dtype auto resolved to %s on %s", cfg.role, cfg.index, resolved.engine.dtype, device)
     return resolved
 
 
@@ -62,7 +71,7 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
 
     if cfg.engine.tp_size > 1:
         raise ValueError(f"engine.executor 'inproc' runs one rank; tp_size={cfg.engine.tp_size} needs executor 'mpi'")
-    if cfg.engine.dtype == "auto":  # built without main() (tests, embedding): resolve here, once
+    if "auto" in (cfg.engine.dtype, cfg.engine.device):  # built without main() (tests, embedding): resolve here, once
         cfg = resolve_dtype_once(cfg, read_cpu_flags())
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config(cfg))
@@ -154,11 +163,16 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     except (TopologyError, IndexError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    cfg = resolve_dtype_once(cfg, read_cpu_flags())
+    try:
+        cfg = resolve_dtype_once(cfg, read_cpu_flags())
+    except ValueError as err:  # a CUDA device this process does not see
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     sock = bind_socket(cfg.host, cfg.port)
     cfg = registration.with_bound_port(cfg, sock)  # control plane: --port 0
-    log.info("%s[%d]: loading %s (%s executor, %s, %d KV blocks of %d tokens)", role, cfg.index, cfg.model.path,
-             cfg.engine.executor, cfg.engine.dtype, cfg.engine.num_kv_blocks, cfg.engine.block_size)
+    log.info("%s[%d]: loading %s (%s executor, %s on %s, %s KV blocks of %d tokens)", role, cfg.index, cfg.model.path,
+             cfg.engine.executor, cfg.engine.dtype, cfg.engine.device,
+             cfg.engine.num_kv_blocks or "auto-sized", cfg.engine.block_size)
     if cfg.engine.executor == "inproc":
         state = build_inproc_state(cfg)
     else:

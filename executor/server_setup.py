@@ -44,7 +44,8 @@ def engine_config(cfg: ServerConfig, kv_cache_file: str | None = None):
 
     e = cfg.engine
     extra = {"kv_cache_file": kv_cache_file} if kv_cache_file else {}
-    return EngineConfig(model=cfg.model.path, dtype=e.dtype, block_size=e.block_size, num_kv_blocks=e.num_kv_blocks,
+    return EngineConfig(model=cfg.model.path, dtype=e.dtype, device=e.device, block_size=e.block_size,
+                        num_kv_blocks=e.num_kv_blocks, gpu_memory_utilization=e.gpu_memory_utilization,
                         max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
                         max_model_len=e.max_model_len, num_threads=e.num_threads,
                         kv_cache_huge_pages=e.kv_cache_huge_pages, enable_prefix_caching=e.enable_prefix_caching,
@@ -70,7 +71,8 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
     from executor.kv_event_routes import kv_event_router
     from kv_transfer.factory import resolve_backend
 
-    backend = resolve_backend(cfg.kv_transfer.backend)
+    # a CUDA KV cache is always served over CUDA IPC (kv_transfer.factory.make_kv_server)
+    backend = "cudaipc" if cfg.engine.device != "cpu" else resolve_backend(cfg.kv_transfer.backend)
     metrics = ServerMetrics(cfg.role, backend)
     metrics.role_stats = RoleStatsCollector(client.stats)
     metrics.registry.register(metrics.role_stats)

@@ -18,6 +18,7 @@ the HMAC key (``key``) are files in the private IPC directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 import zmq
 
 from executor.ipc import Codec
+from pdserve.devices import is_cuda, tp_rank_device
 from executor.messages import Ack, RankFailed, RankHello, RankReady
 from executor.monitor import proc_start_time
 
@@ -50,8 +52,10 @@ def kv_cache_file(ipc: Path, rank: int) -> Path:
     return ipc / f"kv_rank{rank}.bin"
 
 
-def init_tensor_parallel(comm, rank: int, size: int, timeout_s: float):
-    """Join the TP group: rank 0 picks a free loopback port and tells the others over MPI."""
+def init_tensor_parallel(comm, rank: int, size: int, timeout_s: float, device: str = "cpu"):
+    """Join the TP group: rank 0 picks a free loopback port and tells the others over MPI. The
+    group is NCCL on a CUDA ``device`` (each rank on its own GPU, pdserve.devices.tp_rank_device),
+    else gloo."""
     if size == 1:
         return None
     import socket
@@ -64,7 +68,13 @@ def init_tensor_parallel(comm, rank: int, size: int, timeout_s: float):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     port = comm.bcast(port, root=0)
-    return init_tp(rank, size, "127.0.0.1", port, backend="gloo", timeout_s=timeout_s)
+    from pdserve.devices import tp_backend, tp_rank_device
+
+    if tp_backend(device) == "nccl":
+        import torch
+
+        torch.cuda.set_device(torch.device(tp_rank_device(device, rank)))  # before NCCL picks a GPU
+    return init_tp(rank, size, "127.0.0.1", port, backend=tp_backend(device), timeout_s=timeout_s)
 
 
 def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
@@ -79,6 +89,8 @@ def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
     # Followers' caches are files rank 0 maps (in the IPC dir: /dev/shm where possible); rank 0's
     # own cache is anonymous memory (huge pages).
     econf = engine_config(cfg, kv_cache_file=str(kv_cache_file(ipc, rank)) if rank > 0 else None)
+    if is_cuda(econf.device):  # one GPU per rank; a CUDA cache is device memory, not a shared file
+        econf = dataclasses.replace(econf, device=tp_rank_device(econf.device, rank), kv_cache_file=None)
     engine = LLMEngine(econf, tp=tp) if tp is not None else LLMEngine(econf)
     if rank > 0:  # a follower holds only its model shard and KV cache
         return engine, None, {}
@@ -102,6 +114,11 @@ def rank_shards(engine, info: dict, ipc: Path, size: int):
 
     layouts = [KVLayoutModel.model_validate(x) for x in info["kv_layouts"]]
     caches = [engine.kv_cache]
+    if size > 1 and engine.kv_cache.is_cuda:
+        # Why refuse: followers' CUDA caches are not files rank 0 can map; KV transfer of them needs a
+        # CUDA IPC handle per rank, not built yet (issue 12 note). Single-rank CUDA servers work.
+        raise RuntimeError("engine.tp_size > 1 with a CUDA device: rank 0 cannot reach the follower ranks' "
+                           "KV caches for KV transfer yet (per-rank CUDA IPC handles are not built)")
     for r in range(1, size):
         shape = (*engine.kv_cache.shape[:4], layouts[r].num_kv_heads, engine.kv_cache.shape[5])
         numel = 1
@@ -137,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     pid = os.getpid()
     hs.send(codec.encode(RankHello(rank, pid, proc_start_time(pid))))
     try:
-        tp = init_tensor_parallel(comm, rank, size, float(spec.get("tp_timeout_s", 600)))
+        tp = init_tensor_parallel(comm, rank, size, float(spec.get("tp_timeout_s", 600)),
+                                  spec["server"]["engine"]["device"])
         engine, role, info = build_worker(spec, rank, size, tp, ipc)
         comm.Barrier()  # every rank's KV cache file exists before rank 0 maps them
         loop = transport = None

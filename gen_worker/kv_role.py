@@ -148,7 +148,7 @@ class GenKVRole(WorkerRole):
         per ctx rank layout; clients are cached.
         """
         scheme = endpoint.partition("://")[0]
-        if scheme not in ("tcp", "ucx"):
+        if scheme not in ("tcp", "ucx", "cudaipc"):
             raise KVTransferError(f"unsupported KV endpoint {endpoint!r}")
         key = (scheme, layout.model_dump_json())
         with self._lock:

@@ -1,7 +1,9 @@
 """Choosing and building the KV transceivers: ``kv_transfer.backend`` → a server and a client.
 
 ``auto`` picks ucx where ``ucxx`` imports and tcp otherwise; both backends share one interface
-(constructors, ``endpoint``, ``start``/``stop``, ``pull``) and raise the same errors.
+(constructors, ``endpoint``, ``start``/``stop``, ``pull``) and raise the same errors. A KV cache on
+CUDA is always served by the CUDA IPC backend (``cudaipc://``: same-host GPU → GPU copies, TCP staged
+through host memory otherwise): UCX's same-host path reads host memory only.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def make_kv_server(backend: str, kv_cache: torch.Tensor, layout: KVLayout, lease
                    on_sent: Callable[[int, float], None] | None = None, same_host_reads: bool = True) -> KVServer:
     """The ctx-side transceiver for ``backend`` (``auto`` is resolved here). Call ``start()`` on it.
     ``same_host_reads=False``: a ucx server never offers its memory to same-host readers."""
+    if kv_cache.is_cuda:
+        from kv_transfer.cuda_ipc_backend import CudaIpcKVServer
+
+        log.info("KV cache on %s: KV transfer backend cudaipc (kv_transfer.backend %s applies to host caches)",
+                 kv_cache.device, backend)
+        return CudaIpcKVServer(kv_cache, layout, leases, host, port, timeout_s, on_sent=on_sent)
     if resolve_backend(backend) == "ucx":
         return _ucx().UcxKVServer(kv_cache, layout, leases, host, port, timeout_s, on_sent=on_sent,
                                   same_host_reads=same_host_reads)
@@ -80,7 +88,12 @@ def make_kv_server(backend: str, kv_cache: torch.Tensor, layout: KVLayout, lease
 
 def make_kv_client(backend: str, layout: KVLayout, same_host_reads: bool = True) -> KVClient:
     """The gen-side transceiver for ``backend``; it talks only to servers of the same backend.
-    ``same_host_reads=False`` makes a ucx client take every byte as UCX messages (benchmarks)."""
+    ``same_host_reads=False`` makes a ucx client take every byte as UCX messages (benchmarks).
+    ``cudaipc`` (a CUDA ctx cache's endpoint scheme): :class:`CudaIpcKVClient`."""
+    if backend == "cudaipc":
+        from kv_transfer.cuda_ipc_backend import CudaIpcKVClient
+
+        return CudaIpcKVClient(layout)
     if resolve_backend(backend) == "ucx":
         return _ucx_client_cls()(layout, same_host_reads=same_host_reads)
     return TcpKVClient(layout)

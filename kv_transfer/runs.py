@@ -59,5 +59,8 @@ def plan_segments(src_ids: list[int], dst_ids: list[int]) -> list[Segment]:
 
 def landing(blocks: torch.Tensor) -> torch.Tensor:
     """Where received bytes for ``blocks`` (a slice of a cache) can land: the slice itself when it is
-    contiguous (no copy), else a contiguous staging tensor; in that case ``blocks.copy_(it)`` after."""
-    return blocks if blocks.is_contiguous() else torch.empty_like(blocks, memory_format=torch.contiguous_format)
+    contiguous host memory (no copy), else a contiguous host staging tensor (a non-contiguous or a
+    CUDA slice); in that case ``blocks.copy_(it)`` after."""
+    if blocks.is_contiguous() and not blocks.is_cuda:
+        return blocks
+    return torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=blocks.is_cuda)

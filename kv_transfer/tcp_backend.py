@@ -127,7 +127,7 @@ class TcpKVServer:
             send_msg(sock, {"ok": True, "bytes": num_blocks * bpb})
             t0 = time.perf_counter()
             for start, count in to_runs(lease.block_ids[:num_blocks]):  # pinned: the blocks stay ours
-                sock.sendall(_byte_view(self.kv_cache[start:start + count].contiguous()))
+                sock.sendall(_byte_view(self.kv_cache[start:start + count].contiguous().cpu()))  # a CUDA cache: staged
             if msg.get("release") is True:
                 self.leases.release(rid)  # still pinned: applied by end_pull below
             self.on_sent(num_blocks * bpb, time.perf_counter() - t0)

@@ -18,6 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pdserve.devices import DEVICE_PATTERN, resolve_device
 from pdserve.dtypes import DtypeSetting, resolve_dtype
 
 Role = Literal["ctx", "gen"]
@@ -43,8 +44,17 @@ class EngineSettings(StrictModel):
         "auto", description="weights, activations and KV cache: 'auto' = bfloat16 where the CPU has native bf16 "
         "(avx512_bf16 or amx_bf16), else float32; each server resolves it once at start and reports the "
         "result in its KV layout. bfloat16 without native bf16 is emulated (5-20x slower prefill)")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="where weights, KV cache and sampling live: 'auto' = cuda:0 where "
+        "torch sees a GPU, else cpu; 'cpu', 'cuda', 'cuda:N'. Under Slurm the allocation's GPU (--gpus-per-task) is "
+        "the process's cuda:0. Each server resolves it once at start (before dtype: auto is bfloat16 on CUDA)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    num_kv_blocks: int = Field(1024, ge=2, description="blocks in the paged KV cache")
+    num_kv_blocks: int | None = Field(
+        None, ge=2, description="blocks in the paged KV cache; unset: 1024 on a CPU, on CUDA as many as "
+        "gpu_memory_utilization leaves after the weights")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: the fraction of the GPU's memory this server may use (weights, "
+        "activations, KV cache; vLLM's meaning: two servers on one GPU set 0.4 each)")
     max_batch_size: int = Field(16, ge=1, le=4096, description="running sequences per step")
     max_num_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
     max_model_len: int | None = Field(None, ge=2, description="context window (tokens); default from model and cache")
@@ -76,8 +86,10 @@ class EngineOverrides(StrictModel):
     """A pool's overrides of :class:`EngineSettings`; ``None`` means inherit."""
 
     dtype: DtypeSetting | None = None
+    device: str | None = Field(None, pattern=DEVICE_PATTERN)
     block_size: int | None = Field(None, ge=1, le=1024)
     num_kv_blocks: int | None = Field(None, ge=2)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     max_batch_size: int | None = Field(None, ge=1, le=4096)
     max_num_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
@@ -235,6 +247,12 @@ class ServerConfig(StrictModel):
     admin_token_env: str = "PDSERVE_ADMIN_TOKEN"
     api_key_env: str | None = Field(None, description="pools.<role>.api_key_env: the key its OpenAI routes require")
     heartbeat_ttl_s: float = 10.0
+
+    def with_resolved_device(self, num_cuda_devices: int) -> "ServerConfig":
+        """This config with ``engine.device`` concrete (``cpu`` | ``cuda:N``) for a process that sees
+        ``num_cuda_devices`` (:func:`pdserve.devices.resolve_device`; raises its ValueError)."""
+        device = resolve_device(self.engine.device, num_cuda_devices)
+        return self.model_copy(update={"engine": self.engine.model_copy(update={"device": device})})
 
     def with_resolved_dtype(self, cpu_flags: frozenset[str], device: str = "cpu") -> "ServerConfig":
         """This config with ``engine.dtype`` concrete (``auto`` resolved for a CPU with

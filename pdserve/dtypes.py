@@ -1,4 +1,4 @@
-"""Which dtype a server runs: ``engine.dtype: auto | float32 | bfloat16``, resolved from the CPU.
+"""Which dtype a server runs: ``engine.dtype: auto | float32 | bfloat16 | float16``, resolved per device.
 
 bf16 matmuls are native only on CPUs with ``avx512_bf16`` or ``amx_bf16`` (``/proc/cpuinfo``
 flags); elsewhere torch emulates them and prefill gets 5-20x slower than fp32 (measured on a 2-core
@@ -24,8 +24,9 @@ from typing import Literal
 __all__ = ["DtypeSetting", "CONCRETE_DTYPES", "NATIVE_BF16_FLAGS", "read_cpu_flags", "has_native_bf16",
            "resolve_dtype", "emulation_warning", "describe_resolution"]
 
-DtypeSetting = Literal["auto", "float32", "bfloat16"]
-CONCRETE_DTYPES = ("float32", "bfloat16")
+DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+# float16 is accepted on any device (on GPUs without bf16 it is the half type; CPUs emulate it)
+CONCRETE_DTYPES = ("float32", "bfloat16", "float16")
 # Either flag means the CPU multiplies bf16 in hardware (AVX512-BF16 dot products, or AMX tiles).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -50,11 +51,11 @@ def has_native_bf16(cpu_flags: Iterable[str]) -> bool:
 
 
 def resolve_dtype(setting: str, cpu_flags: Iterable[str], device: str = "cpu") -> str:
-    """The concrete dtype (``float32`` | ``bfloat16``) that ``setting`` means on this device.
+    """The concrete dtype (``float32`` | ``bfloat16`` | ``float16``) that ``setting`` means on this device.
 
     ``auto`` on a CPU: ``bfloat16`` where :func:`has_native_bf16`, else ``float32``. On any other
-    device ``auto`` is ``bfloat16`` (every CUDA GPU this project targets has native bf16; the hook
-    for the CUDA issue: it passes ``device="cuda"``). A concrete setting is returned as given.
+    device (``cuda:N``) ``auto`` is ``bfloat16`` (every CUDA GPU this project targets, Ampere and
+    later, has native bf16). A concrete setting is returned as given.
 
     Raises:
         ValueError: ``setting`` is none of ``auto``, ``float32``, ``bfloat16``.

@@ -99,12 +99,15 @@ def launch_cluster(tmp: Path, doc: dict) -> Iterator[LaunchedCluster]:
             wait_for(lambda: not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), 15, f"server {pid} to exit")
 
 
-@pytest.fixture(scope="module")
-def launched(tiny_model_dir, tmp_path_factory) -> LaunchedCluster:
-    tmp = tmp_path_factory.mktemp("control_plane")
+@pytest.fixture(scope="module", params=["inproc", "mpi"])
+def launched(request, tiny_model_dir, tmp_path_factory) -> LaunchedCluster:
+    """1 ctx + 1 gen launched by the orchestrator, once per ``engine.executor`` (``mpi`` is the
+    default lattice; a test that needs only one narrows it with
+    ``@pytest.mark.parametrize("launched", ["inproc"], indirect=True)``)."""
+    tmp = tmp_path_factory.mktemp(f"control_plane_{request.param}")
     doc = {
         "model": {"path": str(tiny_model_dir), "name": TINY},
-        "engine": {"num_threads": 1, "num_kv_blocks": 512, "block_size": 4, "executor": "inproc"},
+        "engine": {"num_threads": 1, "num_kv_blocks": 512, "block_size": 4, "executor": request.param},
         "orchestrator": {"port": free_port(), "health_interval_s": 0.2, "max_local_prefill_length": 12,
                          "heartbeat_ttl_s": 5, "drain_timeout_s": 60},
         "launcher": {"kind": "local", "log_dir": str(tmp / "logs"), "grace_s": 5, "monitor_interval_s": 0.2},

@@ -1,7 +1,10 @@
 """Acceptance checks of the control plane on real processes (tiny model, `launcher.kind: local`).
 
-The tests share one cluster and run in file order: scaling under load, prefix affinity, kill -9
-under load, conditional disaggregation, metrics.
+The tests share one cluster per ``engine.executor`` and run in file order: scaling under load,
+prefix affinity, kill -9 under load, conditional disaggregation, metrics. Scaling (with its drains),
+conditional disaggregation, metrics and the admin token run on both executors; prefix affinity
+(routing only) and kill -9 of a ctx server (tests/control_plane/test_restart.py and test_chaos.py
+kill on the MPI lattice) only on ``inproc``, to keep the suite's time in check.
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ import time
 
 import httpx
 
+import pytest
+
 from tests.control_plane.conftest import AUTH, TINY, Load, wait_for
+
+INPROC_ONLY = pytest.mark.parametrize("launched", ["inproc"], indirect=True)
 
 
 def served(cluster, pool: str) -> dict[str, int]:
@@ -42,6 +49,7 @@ def test_scale_gen_1_3_1_and_ctx_1_2_1_under_load(launched):
     assert status["pools"]["gen"]["target"] == 1 and status["pools"]["ctx"]["target"] == 1
 
 
+@INPROC_ONLY
 def test_kv_cache_aware_routes_shared_prefix_to_one_ctx_server(launched):
     c = launched
     c.scale("ctx", 2)
@@ -63,6 +71,7 @@ def test_kv_cache_aware_routes_shared_prefix_to_one_ctx_server(launched):
     assert min(spread.values()) >= 2, spread
 
 
+@INPROC_ONLY
 def test_kill_9_ctx_under_load_retries_and_restarts(launched):
     c = launched
     ctx = c.settled("ctx", 2)

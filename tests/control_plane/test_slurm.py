@@ -1,5 +1,6 @@
 """slurm/pdserve.sbatch on a real single-node Slurm: orchestrator + 1 ctx + 1 gen (tiny model),
-a chat request, gen scaled 1 -> 2 -> 1 through Slurm jobs, and no job left when the test ends."""
+a chat request, gen scaled 1 -> 2 -> 1 through Slurm jobs, and no job left when the test ends; once
+with ``engine.executor: inproc`` and once on the default MPI lattice (mpiexec inside a Slurm step)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ def slurm(tmp_path_factory):
         s.stop()
 
 
-def test_sbatch_cluster_chat_and_gen_scaling_through_jobs(slurm, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("executor", ["inproc", "mpi"])
+def test_sbatch_cluster_chat_and_gen_scaling_through_jobs(slurm, tiny_model_dir, tmp_path, executor):
     port = free_port()
     topo = tmp_path / "slurm.yaml"
     topo.write_text(yaml.safe_dump({
         "model": {"path": str(tiny_model_dir), "name": TINY},
-        "engine": {"num_threads": 1, "num_kv_blocks": 256, "block_size": 4, "executor": "inproc"},
+        "engine": {"num_threads": 1, "num_kv_blocks": 256, "block_size": 4, "executor": executor},
         "orchestrator": {"port": port, "health_interval_s": 0.3, "heartbeat_ttl_s": 6},
         "launcher": {"kind": "slurm", "log_dir": str(tmp_path / "logs"), "grace_s": 10, "monitor_interval_s": 0.5,
                      "slurm": {"time_limit": "00:10:00"}},

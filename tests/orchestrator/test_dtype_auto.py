@@ -39,8 +39,9 @@ def test_auto_follows_native_bf16(flags, auto):
 def test_auto_on_a_gpu_is_bf16_and_bad_values_are_refused():
     assert resolve_dtype("auto", AVX2, device="cuda") == "bfloat16"
     assert emulation_warning("bfloat16", AVX2, device="cuda") is None
-    with pytest.raises(ValueError, match="engine.dtype must be one of auto, float32, bfloat16; got 'float16'"):
-        resolve_dtype("float16", AVX2)
+    assert resolve_dtype("float16", AVX2) == "float16"  # issue 12: fp16 accepted
+    with pytest.raises(ValueError, match="engine.dtype must be one of auto, float32, bfloat16, float16; got 'float8'"):
+        resolve_dtype("float8", AVX2)
 
 
 def test_bf16_without_native_support_warns():

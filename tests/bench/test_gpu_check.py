@@ -1,0 +1,41 @@
+"""bench/gpu_check.py runs on CPU with the tiny model, so it is tested before it meets a GPU host."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, *extra: str, timeout: int) -> list[dict]:
+    argv = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--shapes", "tiny", "--quick",
+            "--work", str(tmp_path), *extra]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"check"')]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return lines
+
+
+def test_engine_and_kv_pull_checks_on_cpu(tmp_path):
+    lines = _run(tmp_path, "--skip", "disagg,throughput", timeout=300)
+    by = {line["check"]: line for line in lines}
+    assert [line["check"] for line in lines] == ["probe", "engine_vs_hf", "kv_pull", "summary"]
+    assert by["probe"]["device"] == "cpu"
+    assert by["engine_vs_hf"]["match"] is True and by["engine_vs_hf"]["prompts"] == 5
+    assert by["kv_pull"]["data_ok"] is True and by["kv_pull"]["bytes"] == 16 << 20
+    assert by["kv_pull"]["pull_gb_s"] > 0 and by["kv_pull"]["copy_gb_s"] > 0
+    assert by["summary"]["ok"] is True
+
+
+@pytest.mark.slow
+def test_whole_check_on_cpu(tmp_path):
+    lines = _run(tmp_path, timeout=600)
+    by = {}
+    for line in lines:
+        by.setdefault(line["check"], []).append(line)
+    assert [r["concurrency"] for r in by["throughput"]] == [1, 4]
+    assert all(r["engine_tok_s"] > 0 and r["hf_generate_tok_s"] > 0 for r in by["throughput"])
+    assert by["disagg"][0]["match"] is True and by["disagg"][0]["kv_backend"] == "tcp"
+    assert by["summary"][0]["ok"] is True
