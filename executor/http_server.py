@@ -281,7 +281,8 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         return Response(status_code=499)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(run.sse(first, include_usage), media_type="text/event-stream")
+        token_ids = bool(disagg and disagg.stream_token_ids)
+        return StreamingResponse(run.sse(first, include_usage, token_ids), media_type="text/event-stream")
     return await run.collect(first, request, answer)
 
 
@@ -383,19 +384,24 @@ class _Run:
             data["choices"][0].pop("disaggregated_params", None)
         return JSONResponse(data)
 
-    async def sse(self, first: RequestOutput, include_usage: bool) -> AsyncIterator[bytes]:
-        """Server-sent events; an error after the first byte becomes an error event, then [DONE]."""
+    async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+        """Server-sent events; an error after the first byte becomes an error event, then [DONE].
+
+        ``token_ids``: every output with new tokens becomes a chunk (also one whose text is held
+        back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         shape, offset = self.shape, 0
         try:
             out, is_first = first, True
             while out is not None:
-                if out.new_text or out.finished or is_first or (shape.logprobs is not None and out.new_logprobs):
+                if (out.new_text or out.finished or is_first or (token_ids and out.new_token_ids)
+                        or (shape.logprobs is not None and out.new_logprobs)):
                     text = (shape.echo or "") + out.new_text if is_first else out.new_text
                     lp, offset = self._chunk_logprobs(out, is_first, offset)
                     usage = self.acc.usage() if shape.continuous_usage else None
                     yield enc.event(text, out.finish_reason if out.finished else None, role=is_first,
-                                    logprobs=lp, usage=usage)
+                                    logprobs=lp, usage=usage,
+                                    token_ids=list(out.new_token_ids) if token_ids else None)
                     is_first = False
                 if out.finished:
                     break

@@ -249,12 +249,17 @@ class ChunkEncoder:
                       f'"model":{_dumps(model)},"choices":[')
 
     def event(self, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: dict | None = None, usage: Usage | None = None) -> bytes:
+              logprobs: dict | None = None, usage: Usage | None = None,
+              token_ids: list[int] | None = None) -> bytes:
         """One content chunk (``role`` marks the first chat chunk with ``"assistant"``; ``logprobs``:
-        the choice's logprobs object; ``usage``: continuous usage stats)."""
+        the choice's logprobs object; ``usage``: continuous usage stats).
+
+        ``token_ids`` (when not None) adds the extension field ``"token_ids"`` to the choice: the
+        output token ids this chunk's text came from (``disaggregated_params.stream_token_ids``)."""
         lp = "null" if logprobs is None else _dumps(logprobs)
         use = "null" if usage is None else _dumps(usage.model_dump())
-        end = f'"finish_reason":{_dumps(finish_reason)},"logprobs":{lp}}}],"usage":{use}}}\n\n'
+        ids = "" if token_ids is None else f'"token_ids":{_dumps(token_ids)},'
+        end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":{lp}}}],"usage":{use}}}\n\n'
         if self.chat:
             role_json = '"assistant"' if role else "null"
             choice = f'{{"index":0,"delta":{{"role":{role_json},"content":{_dumps(text)}}},'

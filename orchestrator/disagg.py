@@ -6,8 +6,16 @@
 2. If the ctx answer is already final (``finish_reason`` set), it is the client's answer
    (converted to SSE when the client streams).
 3. Generation phase: POST the client body with the ctx's params as ``generation_only``. Retried on
-   another gen server while nothing has reached the client (the lease still holds); the answer or
-   stream goes to the client as is. If the phase is abandoned, the ctx lease is released.
+   another gen server before its first byte (its KV pull is not confirmed: the lease still holds).
+   If the phase is abandoned, the ctx lease is released.
+   * A streaming client gets the ctx server's first token at once, then the gen stream merged
+     into it (:mod:`orchestrator.relay`, :mod:`orchestrator.progress`: no text twice or missing).
+   * With ``orchestrator.migration_limit`` > 0 a non-streaming request is streamed internally too,
+     and a gen server that dies mid-decode is replaced (:mod:`orchestrator.migration`).
+   * With ``migration_limit`` 0 a non-streaming gen answer is relayed as the server wrote it.
+
+A body without ``seed`` gets one here (63 random bits), so the ctx server, the gen server and a
+migration target sample with the same seed (the engine would otherwise draw one per server).
 
 That is ``orchestrator.schedule_style: context_first``; ``generation_first`` (both phases sent at
 once, the gen server waits for the ctx server's KV) is :class:`orchestrator.gen_first.GenerationFirstFlow`,
@@ -18,6 +26,7 @@ a subclass that replaces :meth:`DisaggFlow._disaggregated` and reuses the attemp
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,7 +42,9 @@ from .h1client import H1Client
 from .kv_selfcheck import HitSelfCheck, reported_hit
 from .metrics import Metrics
 from .pools import ClusterPools, Server
-from .relay import StreamRelay
+from .migration import GenPhase, OpenedSource
+from .progress import Progress
+from .relay import GenRelay, GenStream, StreamAnswer
 from .prompt_tokens import PromptTokenizer
 from .responses import EventStream, JSONAnswer, iterate
 from .router import RouteHint, Router, block_hashes
@@ -41,7 +52,7 @@ from .sse import answer_to_events
 from .tasks import TaskOwner
 from .upstream import AttemptFailed, open_stream, post_json_raw, release_lease
 
-Response = JSONAnswer | EventStream | StreamRelay
+Response = JSONAnswer | EventStream | StreamAnswer
 
 log = logging.getLogger("orchestrator.disagg")
 
@@ -128,6 +139,8 @@ class DisaggFlow:
         if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
             raise OrchestratorError(503, f"no ready gen server ({self._pools.not_ready_reason()})",
                                     kind="gen_failed", type_="service_unavailable")
+        if ex.body.get("seed") is None:  # one seed for every server the request meets
+            ex.body = {**ex.body, "seed": secrets.randbits(63)}
         hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
@@ -164,19 +177,14 @@ class DisaggFlow:
         Raises KVSourceFailed, OrchestratorError, UpstreamRejected."""
         params = answer["choices"][0]["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
+        if ex.stream or self._settings.migration_limit:
+            return await self._relayed(ex, hint, answer, lease, failed_ctx, exclude, failures)
         gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
             **params, "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id}})
         handed_over = False
-        t_ctx = time.monotonic()
         try:
-            if ex.stream:
-                _, response = await self._with_retries(
-                    "gen", lambda s: self._gen_stream_attempt(ex, s, gen_body, lambda: self.release_soon(lease, ex)),
-                    hint, exclude, failures)
-                self._metrics.kv_handoff.observe(time.monotonic() - t_ctx)
-            else:
-                _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
-                                                       exclude, failures)
+            _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
+                                                   exclude, failures)
             self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
             handed_over = True
             return response
@@ -192,13 +200,47 @@ class DisaggFlow:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
         ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
-        body = jsonio.dumps(ex.body)
-        if ex.stream:
-            _, response = await self._with_retries("gen", lambda s: self._gen_stream_attempt(ex, s, body, None), hint)
-        else:
-            _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, body), hint)
         self._metrics.routed.labels(pool="gen", path="colocated").inc()
+        if ex.stream or self._settings.migration_limit:
+            return await self._relayed(ex, hint, None, None, set())
+        body = jsonio.dumps(ex.body)
+        _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, body), hint)
         return response
+
+    async def _relayed(self, ex: Exchange, hint: RouteHint | None, answer: dict | None, lease: Lease | None,
+                       failed_ctx: set[str], exclude: set[str] | None = None,
+                       failures: list[str] | None = None) -> Response:
+        """The gen phase through :class:`GenRelay`: a stream that starts with the ctx answer's first
+        token (``answer``; None on the colocated path), or (not ``ex.stream``) the JSON answer
+        assembled from an internal stream. Raises OrchestratorError (non-stream only: a stream's
+        failures after its first byte are error events)."""
+        progress = Progress.for_body(ex.body, ex.chat)
+        first = None
+        if answer is not None:
+            first = progress.take_ctx_answer(answer)
+        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
+        migrate = self._settings.migration_limit > 0
+        source = GenPhase(self, ex, hint, progress, lease, None if answer is None else
+                          answer["choices"][0]["disaggregated_params"], failed_ctx, token_ids=migrate,
+                          want_usage=include_usage or not ex.stream, exclude_gen=exclude,
+                          failures=failures)
+        relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
+                         ex.started_s + self._settings.request_timeout_s, include_usage)
+        if ex.stream:
+            head = None if first is None else b"data: " + jsonio.dumps(progress.first_chunk(first)) + b"\n\n"
+            return StreamAnswer(relay, source, head, ex.started_s, self._metrics, ex.endpoint)
+        try:
+            failure = await relay.run(None)
+        finally:
+            if not relay.finished:
+                source.abandon()
+        if failure is not None:
+            raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
+                                    type_="service_unavailable")
+        answer = progress.answer()
+        if ex.colocated and relay.migrations == 0 and source.first_stream is not None:
+            self._check_hits("gen", ex, source.first_stream.predicted, answer)  # its hit is its own
+        return self._json_response(ex, answer)
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
@@ -281,19 +323,38 @@ class DisaggFlow:
         return self._json_response(ex, raw)  # relayed as the server wrote it
 
     async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: bytes,
-                                  on_abandon: Callable[[], None] | None) -> Response:
-        server.in_flight += 1  # handed to the relay, which drops it at close
+                                  on_abandon: Callable[[], None]) -> StreamAnswer:
+        """A gen stream opened by someone else's dispatch (generation_first), relayed as one client
+        stream from its token 0; a gen death mid-decode migrates it like any other (prefill again).
+        ``on_abandon`` runs if the stream ends unfinished (releases the lease)."""
+        gs = await self.open_gen_stream(ex, server, body, leased=True)
+        progress = Progress.for_body(ex.body, ex.chat)
+        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
+        phase = GenPhase(self, ex, ex.hint, progress, None, None, set(), token_ids=False, want_usage=include_usage)
+        source = OpenedSource(gs, phase, on_abandon)
+        relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
+                         ex.started_s + self._settings.request_timeout_s, include_usage)
+        return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)
+
+    async def open_gen_stream(self, ex: Exchange, server: Server, body: bytes, leased: bool) -> GenStream:
+        """POST a streaming gen request and wait for its first byte (``leased``: a generation_only
+        request, whose KV pull is then done; its time goes to the KV-transfer histogram).
+
+        Raises AttemptFailed / UpstreamRejected as :func:`orchestrator.upstream.open_stream`."""
+        predicted = self._predict(server, ex.hint) if ex.colocated else None  # at pick time, before any await
+        server.in_flight += 1  # handed to the relay, which drops it when the stream ends
         server.served += 1
+        t0 = time.monotonic()
         try:
             stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
                                        "gen", ex.request_id, self._auth.get("gen", ()))
         except BaseException:
             server.in_flight -= 1
             raise
-        relay = StreamRelay(stream, server, ex.endpoint, ex.started_s,
-                            ex.started_s + self._settings.request_timeout_s, self._metrics,
-                            on_abandon=on_abandon or (lambda: None))
-        return relay
+        if leased:
+            self._metrics.kv_handoff.observe(time.monotonic() - t0)
+            self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
+        return GenStream(server, stream, predicted)
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:
         for choice in answer.get("choices", []):

@@ -33,7 +33,7 @@ from . import jsonio
 from .disagg import KV_SOURCE_FAILED, DisaggFlow, Exchange, KVSourceFailed, Lease, Response
 from .errors import OrchestratorError
 from .pools import Server
-from .relay import StreamRelay
+from .relay import StreamAnswer
 from .router import RouteHint
 from .upstream import AttemptFailed
 
@@ -72,7 +72,7 @@ class GenAttempt:
             return
         if self.task.cancelled():
             return
-        if self.task.exception() is None and isinstance(self.task.result(), StreamRelay):
+        if self.task.exception() is None and isinstance(self.task.result(), StreamAnswer):
             self.task.result().close()
 
 

@@ -49,6 +49,8 @@ class Metrics:
                               ["pool", "path"], registry=r)
         self.retries = Counter("pdserve_orchestrator_retries", "Attempts repeated on another server, by pool",
                                ["pool"], registry=r)
+        self.migrations = Counter("pdserve_orchestrator_migrations", "Streams continued on another gen server "
+                                  "after theirs died mid-decode", registry=r)
         self.pool_servers = Gauge("pdserve_orchestrator_pool_servers", "Servers per pool and state",
                                   ["pool", "state"], registry=r)
         self.pool_in_flight = Gauge("pdserve_orchestrator_pool_in_flight_requests",

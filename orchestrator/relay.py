@@ -1,10 +1,14 @@
-"""Relay of a gen server's SSE stream to the client, with cleanup on every way it can end.
+"""The generation phase of one request as the client sees it: one stream, whatever happens upstream.
 
-The stream ends in one of three ways: the gen server finishes (``data: [DONE]``), the upstream
-breaks (the client gets an SSE error event and ``[DONE]``, never a hang), or the client goes away
-(the upstream response is closed, which makes the gen server abort). Whatever happened,
-:meth:`StreamRelay.close` runs once: it closes the upstream, drops the in-flight count, records
-latency metrics and, unless the gen server finished, asks the ctx server to release the lease.
+:class:`GenRelay` reads gen streams (SSE) event by event, merges each into the request's
+:class:`~orchestrator.progress.Progress` (so no text reaches the client twice or goes missing)
+and, when a gen server dies mid-decode (the connection breaks, the stream ends without
+``[DONE]``, or an in-band 5xx error event such as ``engine_dead``), asks its
+:class:`GenSource` for a new stream that continues the request, up to
+``orchestrator.migration_limit`` times. :class:`StreamAnswer` is the client's SSE response: the ctx
+server's first token goes out at once, then the relay's chunks, then ``[DONE]``; a failure becomes
+an error event (never a hang). A non-streaming request runs the same relay without a client
+stream (``emit=None``) and answers the assembled JSON (:mod:`orchestrator.disagg`).
 """
 
 from __future__ import annotations
@@ -12,113 +16,236 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol import SSE_DONE
 
+from . import jsonio
+from .errors import OrchestratorError
 from .h1client import UpstreamError
 from .metrics import Metrics
 from .pools import Server
-from .sse import error_events
+from .progress import Attempt, Progress
+from .sse import EventSplitter, error_events
 from .upstream import OpenStream, describe
 
 log = logging.getLogger("orchestrator.relay")
 
-
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
+_DEATH_TYPES = frozenset({"engine_dead", "service_unavailable", "internal_error"})
+
+Emit = Callable[[bytes], Awaitable[None]]
 
 
-class StreamRelay:
-    """Owns one open gen stream until :meth:`close`; ``await relay(scope, receive, send)`` is the
-    client's SSE response (an ASGI callable that never reads ``receive``).
+@dataclass
+class GenStream:
+    """An open gen stream (first chunk arrived) and the server it runs on (whose ``in_flight``
+    count it holds until the relay is done with it)."""
 
-    ``on_abandon`` is called (once, from :meth:`close`) when the stream did not finish cleanly.
-    ``deadline_s`` is a ``time.monotonic()`` instant after which the upstream is cut (one timer per
-    stream, not one timeout per chunk).
+    server: Server
+    stream: OpenStream
+    predicted: int | None = None  # colocated: the prefix-cache hit the KV index predicted at pick time
+
+
+class GenSource(Protocol):
+    """Where a request's gen streams come from (:class:`orchestrator.migration.GenPhase`)."""
+
+    async def first(self) -> GenStream:
+        """The first gen stream. Raises OrchestratorError (every attempt failed, or a 4xx)."""
+
+    async def migrate(self, progress: Progress) -> GenStream:
+        """A new gen stream continuing from ``progress.token_ids``. Raises OrchestratorError."""
+
+    def abandon(self) -> None:
+        """The request ends unfinished: free whatever KV is still parked for it (never awaits)."""
+
+
+@dataclass
+class Broken:
+    """Why a gen stream ended before the request finished; ``migratable``: the server looks dead."""
+
+    message: str
+    migratable: bool = True
+
+
+class GenRelay:
+    """Runs the gen phase of one request to its end (see the module docstring).
+
+    ``deadline_s``: a ``time.monotonic()`` instant after which an open stream is cut (one timer
+    per stream). ``include_usage``: the client wants the usage chunk (made here if the last gen
+    stream broke after its final token but before its usage chunk).
+    """
+
+    def __init__(self, progress: Progress, source: GenSource, migration_limit: int, metrics: Metrics,
+                 endpoint: str, deadline_s: float, include_usage: bool) -> None:
+        self.progress = progress
+        self._source = source
+        self._limit = migration_limit
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._deadline_s = deadline_s
+        self._include_usage = include_usage
+        self._itl = metrics.child(metrics.itl, endpoint)
+        self.migrations = 0
+        self.finished = False
+        self.chunks_sent = 0
+        self.t_last: float | None = None
+
+    async def run(self, emit: Emit | None) -> str | None:
+        """Relay until the request finishes (None) or fails for good (the failure's message).
+
+        Raises:
+            OrchestratorError: no gen stream could be opened (first or migration target).
+        """
+        gs = await self._source.first()
+        while True:
+            broken = await self._pump(gs, emit)
+            if broken is None:
+                self.finished = True
+                return None
+            if not broken.migratable or self.migrations >= self._limit:
+                if broken.migratable and self._limit:
+                    return f"{broken.message} (migration_limit {self._limit} reached)"
+                return broken.message
+            self.migrations += 1
+            self._metrics.migrations.inc()
+            log.warning("%s; migrating the request (%d generated tokens, migration %d of %d)", broken.message,
+                        len(self.progress.token_ids), self.migrations, self._limit)
+            gs = await self._source.migrate(self.progress)
+
+    async def _pump(self, gs: GenStream, emit: Emit | None) -> Broken | None:
+        timer = asyncio.get_running_loop().call_later(max(self._deadline_s - time.monotonic(), 0.0), gs.stream.expire)
+        try:
+            return await self._events(gs, emit)
+        finally:
+            timer.cancel()
+            gs.stream.close()  # before [DONE] this is what aborts the gen request
+            gs.server.in_flight -= 1
+
+    async def _events(self, gs: GenStream, emit: Emit | None) -> Broken | None:
+        attempt, splitter, piece = self.progress.attempt(), EventSplitter(), gs.stream.first_chunk
+        url = gs.server.url
+        while True:
+            for payload in splitter.feed(piece):
+                if payload == b"[DONE]":
+                    return None
+                broken = await self._event(payload, attempt, emit, url)
+                if broken is not None:
+                    return self._broke(gs.server, broken)
+            try:
+                piece = await gs.stream.next_chunk()
+            except UpstreamError as err:
+                return self._broke(gs.server, Broken(f"generation stream from {url} broke: {describe(err)}"))
+            if piece is None:
+                # A stream that already gave its final token has nothing left to migrate.
+                done = self.progress.finish_reason is not None
+                return self._broke(gs.server, Broken(f"generation stream from {url} ended without [DONE]", not done))
+
+    async def _event(self, payload: bytes, attempt: Attempt, emit: Emit | None, url: str) -> Broken | None:
+        """Merge one event into the request; a :class:`Broken` when it is an error or not JSON."""
+        try:
+            event = jsonio.loads(payload)
+        except ValueError:
+            return Broken(f"generation stream from {url} sent an event that is not JSON")
+        if not isinstance(event, dict):
+            return Broken(f"generation stream from {url} sent an event that is not a JSON object")
+        if "error" in event:
+            info = event["error"] if isinstance(event["error"], dict) else {}
+            code = info.get("code")
+            dead = info.get("type") in _DEATH_TYPES or (isinstance(code, int) and code >= 500)
+            return Broken(f"generation stream from {url} failed: {info.get('message', event['error'])}", dead)
+        out = attempt.absorb(event)
+        if out is not None and emit is not None:
+            await emit(b"data: " + jsonio.dumps(out) + b"\n\n")
+            self._sent()
+        return None
+
+    def _sent(self) -> None:
+        now = time.monotonic()
+        if self.t_last is not None:
+            self._itl.observe(now - self.t_last)
+        self.t_last = now
+        self.chunks_sent += 1
+
+    def _broke(self, server: Server, broken: Broken) -> Broken:
+        log.warning("%s", broken.message)
+        if broken.migratable:
+            server.mark_unhealthy(broken.message)
+        self._metrics.errors.labels(kind="gen_stream").inc()
+        return broken
+
+    def usage_chunk(self) -> bytes | None:
+        """The usage chunk to add at the end, when the client wants one and no gen stream sent it."""
+        if not self._include_usage or self.progress.usage is not None or self.progress.head is None:
+            return None
+        obj = "chat.completion.chunk" if self.progress.chat else "text_completion"
+        doc = {**self.progress.head, "object": obj, "choices": [], "usage": self.progress.final_usage()}
+        return b"data: " + jsonio.dumps(doc) + b"\n\n"
+
+
+class StreamAnswer:
+    """The client's SSE response (an ASGI callable that never reads ``receive``): ``first`` (the
+    ctx server's first token, or nothing on the colocated path) at once, then the relay.
+
+    Whatever way it ends (finished, failed, cancelled because the client left), :meth:`close` runs
+    once: it records E2E latency and, unless the request finished, abandons the source's lease.
     """
 
     status_code = 200
 
-    def __init__(self, stream: OpenStream, server: Server, endpoint: str, started_s: float, deadline_s: float,
-                 metrics: Metrics, on_abandon: Callable[[], None]) -> None:
-        self._stream = stream
-        self._server = server
-        self._endpoint = endpoint
-        self._started_s = started_s
-        self._deadline_s = deadline_s
-        self._metrics = metrics
-        self._itl = metrics.child(metrics.itl, endpoint)
-        self._on_abandon = on_abandon
-        self._finished = False
+    def __init__(self, relay: GenRelay, source: GenSource, first: bytes | None, started_s: float,
+                 metrics: Metrics, endpoint: str) -> None:
+        self._relay, self._source, self._first = relay, source, first
+        self._started_s, self._metrics, self._endpoint = started_s, metrics, endpoint
         self._closed = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        timer = asyncio.get_running_loop().call_later(max(self._deadline_s - time.monotonic(), 0.0),
-                                                      self._stream.expire)
+        t_first: list[float] = []
+
+        async def emit(data: bytes) -> None:
+            if not t_first:
+                t_first.append(time.monotonic())
+                self._metrics.child(self._metrics.ttft, self._endpoint).observe(t_first[0] - self._started_s)
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
         try:
             await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
-            await self._pump(send)
+            if self._first is not None:
+                await emit(self._first)
+            await self._relay_to(emit, send)
+            self._observe_tpot(t_first)
         finally:
-            timer.cancel()
             self.close()
 
-    async def _pump(self, send: Send) -> None:
-        """Upstream chunks to the client as they come; an error event if the stream broke.
+    async def _relay_to(self, emit: Emit, send: Send) -> None:
+        try:
+            failure = await self._relay.run(emit)
+        except OrchestratorError as err:
+            failure, type_, code = err.message, err.type_, err.status
+        else:
+            type_, code = "upstream_error", 502
+        if failure is None:
+            usage = self._relay.usage_chunk()
+            tail = ([usage] if usage else []) + [SSE_DONE]
+        else:
+            tail = error_events(failure, type_, code)
+        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
 
-        The chunk after which the upstream has ended (``[DONE]`` read, message complete) goes out
-        as the last body message: one write to the client instead of two.
-        """
-        t_first = t_prev = time.monotonic()
-        self._metrics.child(self._metrics.ttft, self._endpoint).observe(t_first - self._started_s)
-        chunk, tail, chunks = self._stream.first_chunk, b"", 0
-        while True:
-            tail = (tail + chunk)[-len(SSE_DONE):]
-            chunks += 1
-            last = tail == SSE_DONE and self._stream.ended()
-            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-            if last:
-                break
-            try:
-                chunk = await self._stream.next_chunk()
-            except UpstreamError as err:
-                await self._send_broken(send, tail, f"generation stream from {self._server.url} broke: {describe(err)}")
-                return
-            if chunk is None:
-                if tail != SSE_DONE:
-                    await self._send_broken(send, tail, f"generation stream from {self._server.url} ended without [DONE]")
-                    return
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                break
-            now = time.monotonic()
-            self._itl.observe(now - t_prev)
-            t_prev = now
-        self._finished = True
-        if chunks > 1:
-            self._metrics.child(self._metrics.tpot, self._endpoint).observe((t_prev - t_first) / (chunks - 1))
-
-    async def _send_broken(self, send: Send, tail: bytes, message: str) -> None:
-        events = self._broken(tail, message)
-        await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
-
-    def _broken(self, tail: bytes, message: str) -> list[bytes]:
-        log.warning("%s", message)
-        self._server.mark_unhealthy(message)
-        self._metrics.errors.labels(kind="gen_stream").inc()
-        # Terminate a half-written event so the error event parses on its own.
-        prefix = [] if tail.endswith(b"\n\n") or not tail else [b"\n\n"]
-        return prefix + error_events(message)
+    def _observe_tpot(self, t_first: list[float]) -> None:
+        n = self._relay.chunks_sent + (self._first is not None)
+        if t_first and n > 1 and self._relay.t_last is not None:
+            self._metrics.child(self._metrics.tpot, self._endpoint).observe((self._relay.t_last - t_first[0]) / (n - 1))
 
     def close(self) -> None:
         """Idempotent cleanup; never awaits, so it also runs inside a cancelled task."""
         if self._closed:
             return
         self._closed = True
-        self._server.in_flight -= 1
-        self._stream.close()  # before [DONE] this is what aborts the gen request
         self._metrics.child(self._metrics.e2e, self._endpoint).observe(time.monotonic() - self._started_s)
-        if not self._finished:
-            self._on_abandon()
-
+        if not self._relay.finished:
+            self._source.abandon()

@@ -48,3 +48,25 @@ def answer_to_events(answer: dict, chat: bool, include_usage: bool, continuous_u
 def error_events(message: str, type_: str = "upstream_error", code: int = 502) -> list[bytes]:
     """An SSE error event (OpenAI error body) followed by ``[DONE]``: how a broken stream ends."""
     return [sse_event(error_body(message, type_, code)), SSE_DONE]
+
+
+class EventSplitter:
+    """Cuts a gen server's SSE body (pieces in any size) into the payloads of its ``data:`` events.
+
+    :meth:`feed` returns the complete events' payloads (bytes after ``data: ``; ``b"[DONE]"`` for
+    the end marker); a partial event waits for the next piece. Events are separated by a blank
+    line (``\\n\\n``), as every pdserve server writes them (WHATWG HTML, "server-sent events").
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        data = self._buf + piece
+        *events, self._buf = data.split(b"\n\n")
+        return [e[6:] if e.startswith(b"data: ") else e.removeprefix(b"data:") for e in events if e.strip()]
+
+    @property
+    def pending(self) -> bool:
+        """Whether a partial event is buffered (a stream that ends now was cut mid-event)."""
+        return bool(self._buf.strip())

@@ -187,6 +187,8 @@ class OrchestratorSettings(StrictModel):
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a registered server that has not heartbeated for this long is dropped")
     startup_timeout_s: float = Field(180.0, gt=0, description="how long `pdserve up` waits for readiness")
     drain_timeout_s: float = Field(300.0, gt=0, description="scale-down waits this long for in-flight requests before stopping a server")
+    migration_limit: int = Field(2, ge=0, le=16, description="a stream whose gen server dies mid-decode continues on another gen server up to this many times (0 = off: the stream ends with an error event)")
+    migration_wait_s: float = Field(10.0, gt=0, description="a migration waits this long for a ready ctx and gen server")
     schedule_style: Literal["context_first", "generation_first"] = Field(
         "context_first", description="context_first: the ctx phase, then the gen phase (two round trips in a row); "
         "generation_first: both at once, the gen server allocates and waits for the ctx server's KV "

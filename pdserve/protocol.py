@@ -63,7 +63,9 @@ class DisaggregatedParams(BaseModel):
     ``prompt_token_ids``, ``kv_endpoint`` (opaque transceiver address), ``kv_layout``,
     ``kv_block_count``, ``lease_deadline`` (unix seconds) and ``cached_tokens`` (prompt tokens the
     ctx server's prefix cache held; the gen server reports them in ``usage``). The orchestrator
-    forwards them to the gen server with ``request_type = "generation_only"``.
+    forwards them to the gen server with ``request_type = "generation_only"``. A migrated stream's
+    gen request carries every output token generated so far in ``first_gen_tokens`` (the gen server
+    counts them as output: detokenized, stop-checked and in ``usage``, and decodes on from there).
 
     generation_first (``orchestrator.schedule_style``): the gen request goes out with the ctx
     request and carries only ``disagg_request_id`` and ``ctx_url`` (the ctx server's base URL); the
@@ -88,6 +90,9 @@ class DisaggregatedParams(BaseModel):
         None, description="ctx answer: logprobs of first_gen_tokens (the request asked for logprobs)")
     prompt_logprobs: list["TokenLogprobModel | None"] | None = Field(
         None, description="ctx answer: prompt logprobs (echo with logprobs); None for the first prompt token")
+    stream_token_ids: StrictBool | None = Field(
+        None, description="request side: a streamed answer carries each chunk's new output token ids in "
+                          "`choices[0].token_ids` (the orchestrator strips them; it keeps them to migrate a stream)")
     ctx_url: CtxURL | None = Field(None, description="generation_first: the ctx server to wait on for the rest")
 
     @property

@@ -36,17 +36,18 @@ def chat_body(text: str, stream: bool, max_tokens: int = 24, **kw) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": stream, **kw}
 
 
-def run(url: str, path: str, body: dict) -> tuple[str, str | None, dict | None]:
+def run(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[str, str | None, dict | None]:
     """POST and return (text, finish_reason, usage), reading SSE when streaming."""
     chat = path.endswith("chat/completions")
     if not body.get("stream"):
-        r = httpx.post(url + path, json=body, timeout=60)
+        r = httpx.post(url + path, json=body, timeout=60, headers=headers)
         assert r.status_code == 200, r.text
         d = r.json()
         c = d["choices"][0]
         return (c["message"]["content"] if chat else c["text"]), c["finish_reason"], d["usage"]
     text, finish, usage = [], None, None
-    with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60) as r:
+    with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60,
+                      headers=headers) as r:
         assert r.status_code == 200, r.read()
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -124,6 +125,19 @@ def test_stop_string_disagg_equals_colocated(tiny_cluster, orch):
     result = run(orch, "/v1/completions", body)
     assert plain(result) == plain(run(tiny_cluster.server_url("gen"), "/v1/completions", body))
     assert result[1] == "stop" and stop not in result[0]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_stop_string_starting_in_the_first_token_equals_colocated(tiny_cluster, path):
+    # The first token goes out at once: a tail of it that may begin a stop string must wait.
+    make = chat_body if "chat" in path else completion_body
+    base = make(PROMPTS[6], True, max_tokens=24)
+    full, _, _ = run(tiny_cluster.server_url("gen"), path, base)
+    for stop in (full[1:4], full[len(full) // 2: len(full) // 2 + 3]):
+        body = {**base, "stop": [stop]}
+        result = run(tiny_cluster.url, path, body)
+        assert plain(result) == plain(run(tiny_cluster.server_url("gen"), path, body)), stop
+        assert result[1] == "stop" and stop not in result[0]
 
 
 def server_info(url: str) -> dict:

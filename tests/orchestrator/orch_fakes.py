@@ -1,7 +1,9 @@
 """Fake ctx/gen servers speaking the pdserve server protocol with canned tokens (no engine).
 
 Token ``i`` of every answer is ``TOKENS[i % len(TOKENS)]``; the ctx server samples token 0 and the
-gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once).
+gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once; a
+migrated stream's gen request lists tokens 0..k-1 there, and the gen stream still starts at token 0,
+as a real gen server's does), with token id ``i`` in ``token_ids`` when asked.
 A :class:`Behavior` injects failures; a :class:`Record` keeps what each server saw.
 
 generation_first: the fake ctx server answers ``POST /disagg/lease`` (``pdserve.kv_wait``) once its
@@ -45,9 +47,11 @@ class Behavior:
     fail_times: int = 10**9
     health_status: int = 200
     break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
+    break_times: int = 10**9               # ... in this many streams (then stream normally)
+    dead_after_chunks: int | None = None   # gen stream: an in-band engine_dead error event after N chunks
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
-    answer_delay_s: float = 0.0            # gen non-stream: think this long (watching for a disconnect)
+    answer_delay_s: float = 0.0            # gen: think this long before answering (watching for a disconnect)
     kv_layout: dict | None = field(default_factory=lambda: dict(KV_LAYOUT))  # None: /server_info answers 404
     max_model_len: int = 2048              # what /server_info reports
     reset_status: int = 200                # POST /reset_prefix_cache answers this
@@ -65,6 +69,7 @@ class Record:
     aborted_requests: int = 0              # non-stream requests whose client left before the answer
     finished_streams: int = 0
     prefix_resets: list[str | None] = field(default_factory=list)  # the Authorization header of each
+    answered_at: list[float] = field(default_factory=list)  # time.monotonic() when each gen answer began
     sources: list[str] = field(default_factory=list)  # gen, generation_first: ctx_request_id each wait returned
     arrived_s: list[float] = field(default_factory=list)  # time.monotonic() when each completion request came
 
@@ -89,16 +94,18 @@ def _answer(chat: bool, text: str, finish: str | None, n: int, dp: dict | None) 
     return {**head, "object": "text_completion", "choices": [choice]}
 
 
-def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: bool = False) -> bytes:
+def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: bool = False,
+           token_ids: list[int] | None = None) -> bytes:
     head = {"id": cid, "created": int(time.time()), "model": MODEL}
+    ids = {} if token_ids is None else {"token_ids": token_ids}
     if chat:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
         return sse_event({**head, "object": "chat.completion.chunk",
-                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                          "choices": [{"index": 0, "delta": delta, **ids, "finish_reason": finish}]})
     return sse_event({**head, "object": "text_completion",
-                      "choices": [{"index": 0, "text": text or "", "finish_reason": finish}]})
+                      "choices": [{"index": 0, "text": text or "", **ids, "finish_reason": finish}]})
 
 
 def _ctx_answer(rec: Record, chat: bool, body: dict) -> tuple[JSONResponse, dict]:
@@ -133,15 +140,23 @@ async def _wait_ctx(beh: Behavior, rec: Record, dp: dict) -> JSONResponse | None
 def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
     n = _max_tokens(body, chat)
     include_usage = (body.get("stream_options") or {}).get("include_usage", False)
+    with_ids = bool((body.get("disaggregated_params") or {}).get("stream_token_ids"))
     cid = f"cmpl-{uuid.uuid4().hex[:8]}"
 
     async def events():
         done = False
         try:
+            breaks = beh.break_after_chunks is not None and beh.break_times > 0
+            if breaks:
+                beh.break_times -= 1
             for i in range(n):
-                if beh.break_after_chunks is not None and i >= beh.break_after_chunks:
+                if breaks and i >= beh.break_after_chunks:
                     raise RuntimeError("injected mid-stream failure")
-                yield _chunk(chat, cid, TOKENS[i % len(TOKENS)], None, role=(i == 0))
+                if beh.dead_after_chunks is not None and i >= beh.dead_after_chunks:
+                    yield sse_event(error_body("engine is dead: injected", "engine_dead", 503))
+                    yield SSE_DONE
+                    return
+                yield _chunk(chat, cid, TOKENS[i % len(TOKENS)], None, role=(i == 0), token_ids=[i] if with_ids else None)
                 await asyncio.sleep(beh.chunk_delay_s)
             yield _chunk(chat, cid, None if chat else "", "length")
             if include_usage:
@@ -199,15 +214,16 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
             failed = await _wait_ctx(beh, rec, dp)
             if failed is not None:
                 return failed
-        if body.get("stream"):
-            return _gen_stream(beh, rec, chat, body)
-        n = _max_tokens(body, chat)
         deadline = time.monotonic() + beh.answer_delay_s
         while time.monotonic() < deadline:
             if await request.is_disconnected():
                 rec.aborted_requests += 1
                 return JSONResponse({}, status_code=499)
             await asyncio.sleep(0.02)
+        rec.answered_at.append(time.monotonic())
+        if body.get("stream"):
+            return _gen_stream(beh, rec, chat, body)
+        n = _max_tokens(body, chat)
         return JSONResponse(_answer(chat, text_of(n), "length", n, None))
 
     @app.post("/v1/chat/completions")

@@ -95,9 +95,22 @@ def test_gen_non_stream_retried(make_cluster, style):
 def test_gen_failing_everywhere_gives_503_and_releases_lease(make_cluster, style):
     c = make_cluster(n_gen=1, schedule_style=style)
     c.gen[0].behavior.fail_status = 500
-    r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    r = httpx.post(c.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert r.status_code == 503
     assert "generation phase failed" in r.json()["error"]["message"]
+    wait_for(lambda: len(c.ctx[0].record.releases) == 1)
+    assert c.ctx[0].record.leases == set()
+
+
+def test_gen_failing_everywhere_after_the_first_token_ends_the_stream_with_an_error(make_cluster):
+    # The ctx server's first token went out at once (200), so the failure is an error event.
+    c = make_cluster(n_gen=1)
+    c.gen[0].behavior.fail_status = 500
+    r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    assert r.status_code == 200
+    events = parse_sse(r.content)
+    assert stream_text(events, chat=True) == text_of(1)
+    assert "generation phase failed" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
     wait_for(lambda: len(c.ctx[0].record.releases) == 1)
     assert c.ctx[0].record.leases == set()
 
@@ -110,8 +123,8 @@ def test_gen_4xx_relayed_and_lease_released(make_cluster, style):
     wait_for(lambda: len(c.ctx[0].record.releases) == 1)
 
 
-def test_mid_stream_failure_ends_with_error_event(make_cluster, style):
-    c = make_cluster(schedule_style=style)
+def test_mid_stream_failure_ends_with_error_event_when_migration_is_off(make_cluster, style):
+    c = make_cluster(schedule_style=style, migration_limit=0)
     c.gen[0].behavior.break_after_chunks = 2
     r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
     assert r.status_code == 200
@@ -140,7 +153,11 @@ def test_client_disconnect_aborts_gen_and_releases_lease(make_cluster, style):
     with httpx.Client(timeout=10) as client:
         with client.stream("POST", c.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            next(r.iter_raw())
+            seen = b""
+            for piece in r.iter_raw():  # the ctx's first token, then the gen stream's first chunk
+                seen += piece
+                if seen.count(b"data: ") >= 2:
+                    break
     wait_for(lambda: c.gen[0].record.aborted_streams == 1)
     wait_for(lambda: len(c.ctx[0].record.releases) == 1)
     assert c.gen[0].record.finished_streams == 0

@@ -1,0 +1,169 @@
+"""Where one request's gen streams come from: the first one, retries, and migrations.
+
+* :meth:`GenPhase.first`: the gen stream for the lease the ctx server parked (or, on the
+  colocated path, a ``context_and_generation`` stream). A gen server that fails before its first
+  byte has not confirmed its KV pull, so the next gen server pulls the same lease
+  (``orchestrator.max_retries``). A gen server that reports the KV source failed
+  (``kv_transfer_error``) makes the request prefill again on another ctx server.
+* :meth:`GenPhase.migrate`: the gen server died mid-decode. The request is prefilled again on a
+  ctx server (the same body and seed; the prompt usually hits its prefix cache) and a gen server
+  pulls that KV with ``first_gen_tokens`` = every output token generated so far. The gen server
+  counts those as output (``max_tokens`` and ``usage`` stay the client's) and samples output
+  position ``len(first_gen_tokens)`` next: the sampler's noise is a function of (seed, choice,
+  position), so a seeded stream goes on exactly as it would have. A migration first waits
+  (``orchestrator.migration_wait_s``) for a ready ctx and gen server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import jsonio
+from .errors import OrchestratorError
+from .progress import Progress
+from .relay import GenStream
+
+if TYPE_CHECKING:
+    from .disagg import DisaggFlow, Exchange, Lease
+    from .router import RouteHint
+
+log = logging.getLogger("orchestrator.migration")
+
+_READY_POLL_S = 0.05
+
+
+class GenPhase:
+    """The gen streams of one request (a :class:`orchestrator.relay.GenSource`).
+
+    ``lease``/``params``: the ctx server's parked KV and its answer's ``disaggregated_params``
+    (both None on the colocated path). ``token_ids``: ask gen servers for each chunk's token ids
+    (needed to migrate). ``want_usage``: ask for the usage chunk (non-stream answers, or the client's
+    ``include_usage``).
+    """
+
+    def __init__(self, flow: "DisaggFlow", ex: "Exchange", hint: "RouteHint | None", progress: Progress,
+                 lease: "Lease | None", params: dict | None, failed_ctx: set[str], token_ids: bool,
+                 want_usage: bool, exclude_gen: set[str] | None = None, failures: list[str] | None = None) -> None:
+        self._flow, self._ex, self._hint, self._progress = flow, ex, hint, progress
+        self._lease, self._params = lease, params
+        self._failed_ctx = failed_ctx
+        self._token_ids, self._want_usage = token_ids, want_usage
+        self.first_stream: GenStream | None = None  # what first() opened
+        self._exclude_gen = set(exclude_gen or ())   # gen servers the first stream may not use
+        self._failures = failures                    # ... and the attempts already made there (for the error)
+
+    async def first(self) -> GenStream:
+        if self._lease is None:
+            self.first_stream = await self._open(self._colocated_body(), leased=False)
+        else:
+            self.first_stream = await self._open_leased()
+        return self.first_stream
+
+    async def migrate(self, progress: Progress) -> GenStream:
+        settings = self._flow._settings
+        deadline = time.monotonic() + settings.migration_wait_s
+        for role in ("ctx", "gen"):
+            await self._wait_ready(role, deadline)
+        return await self._prefill_again()
+
+    def abandon(self) -> None:
+        if self._lease is not None:
+            self._flow.release_soon(self._lease, self._ex)
+            self._lease = None
+
+    async def _wait_ready(self, role: str, deadline: float) -> None:
+        pool = self._flow._pools.pool(role)  # type: ignore[arg-type]
+        while not pool.ready() and time.monotonic() < deadline:
+            await asyncio.sleep(_READY_POLL_S)
+
+    async def _open_leased(self) -> GenStream:
+        from .disagg import KVSourceFailed
+
+        assert self._lease is not None and self._params is not None
+        lease = self._lease
+        try:
+            return await self._open(self._gen_body(self._params), leased=True)
+        except KVSourceFailed as err:
+            self._lease = None  # the ctx server lost it
+            self._failed_ctx.add(lease.ctx_url)
+            if len(self._failed_ctx) > self._flow._settings.max_retries:
+                raise OrchestratorError(503, f"generation phase failed: {err}", kind="gen_failed",
+                                        type_="service_unavailable") from None
+            log.warning("KV source failed (%s); prefilling the request again on another ctx server", err)
+            self._flow._metrics.retries.labels(pool="ctx").inc()
+            return await self._prefill_again()
+        except BaseException:
+            self.abandon()  # no gen server took the lease
+            raise
+
+    async def _open(self, body: bytes, leased: bool) -> GenStream:
+        flow, ex = self._flow, self._ex
+        exclude, self._exclude_gen = self._exclude_gen, set()  # only the first stream's: a migration may go back
+        failures, self._failures = self._failures, None
+        _, gs = await flow._with_retries("gen", lambda s: flow.open_gen_stream(ex, s, body, leased), self._hint,
+                                         exclude, failures)
+        return gs
+
+    async def _prefill_again(self) -> GenStream:
+        from .disagg import Lease
+
+        flow, ex = self._flow, self._ex
+        server, answer = await flow._with_retries("ctx", lambda s: flow._context_attempt(ex, s), self._hint,
+                                                  set(self._failed_ctx))
+        choice = answer["choices"][0]
+        if choice.get("finish_reason") is not None:
+            raise OrchestratorError(503, "generation phase failed: the ctx server's new prefill finished the request "
+                                    f"at its first token ({choice['finish_reason']})", kind="gen_failed",
+                                    type_="service_unavailable")
+        self._params = choice["disaggregated_params"]
+        self._lease = Lease(server.url, self._params["ctx_request_id"])
+        return await self._open_leased()
+
+    def _stream_fields(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"stream": True}
+        if self._want_usage:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _gen_body(self, params: dict) -> bytes:
+        first = self._progress.token_ids or params.get("first_gen_tokens")
+        dp = {**params, "request_type": "generation_only", "disagg_request_id": self._ex.disagg_request_id,
+              "first_gen_tokens": first}
+        if self._token_ids:
+            dp["stream_token_ids"] = True
+        return jsonio.dumps({**self._ex.body, **self._stream_fields(), "disaggregated_params": dp})
+
+    def _colocated_body(self) -> bytes:
+        body = {**self._ex.body, **self._stream_fields()}
+        if self._token_ids:
+            body["disaggregated_params"] = {"request_type": "context_and_generation", "stream_token_ids": True}
+        return jsonio.dumps(body)
+
+
+class OpenedSource:
+    """A :class:`orchestrator.relay.GenSource` whose first stream is already open (another dispatch
+    opened it); migrations go through ``phase``. ``on_abandon`` runs when the request ends
+    unfinished; a stream nobody relayed is closed then (which aborts the gen request)."""
+
+    def __init__(self, gs: GenStream, phase: GenPhase, on_abandon) -> None:
+        self._gs: GenStream | None = gs
+        self._phase, self._on_abandon = phase, on_abandon
+
+    async def first(self) -> GenStream:
+        gs, self._gs = self._gs, None
+        assert gs is not None, "first() called twice"
+        return gs
+
+    async def migrate(self, progress: Progress) -> GenStream:
+        return await self._phase.migrate(progress)
+
+    def abandon(self) -> None:
+        if self._gs is not None:  # never relayed (the dispatch discarded it)
+            self._gs.stream.close()
+            self._gs.server.in_flight -= 1
+            self._gs = None
+        self._on_abandon()
+        self._phase.abandon()

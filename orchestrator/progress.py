@@ -1,0 +1,212 @@
+"""What one request's client has been sent so far, and how each gen stream merges into it.
+
+Every gen stream of a request starts at output token 0: the gen server counts the
+``first_gen_tokens`` it is handed as output (detokenized, stop-checked, in ``usage``) and streams
+their text first. That holds for the first gen stream (``first_gen_tokens`` = the ctx server's
+token, whose text the client already got at once), for a retry, and for a migration target
+(``first_gen_tokens`` = every token generated so far). So an attempt's cumulative text is the
+output text from its start, and the client gets only the characters past what it already has:
+no text twice, none missing. Text a server holds back (a tail that may begin a stop string, an
+incomplete UTF-8 character) was never sent, so the next server, which decodes the same tokens,
+sends it.
+
+The token ids come from the extension field ``choices[0].token_ids`` that a gen server adds when
+asked (``disaggregated_params.stream_token_ids``); :meth:`Attempt.absorb` strips it before the
+client sees a chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionResponse,
+    Usage,
+)
+
+log = logging.getLogger("orchestrator.progress")
+
+TOKEN_IDS_FIELD = "token_ids"  # the gen stream's extension field (see module docstring)
+
+
+def held_back_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+
+    The engine's own rule (``engine.stop_checker``): such a tail may still become a stop string,
+    so it is not sent until the next token decides."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        return [stop]
+    return [s for s in stop or [] if isinstance(s, str) and s]
+
+
+@dataclass
+class Progress:
+    """One request's output as the client has it.
+
+    ``token_ids``: output token ids generated so far (the ctx server's first token included);
+    ``parts``: the text pieces the client was sent (their concatenation is the answer's text);
+    ``sent_len``: characters sent; ``head``: ``id``/``created``/``model`` of every chunk the client
+    gets (the first answer's, so the stream keeps one id across servers); ``cached_tokens``: the
+    first ctx server's prefix-cache hit (a migration's re-prefill reports that one, not its own).
+    """
+
+    chat: bool
+    stops: list[str]
+    head: dict | None = None
+    token_ids: list[int] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+    sent_len: int = 0
+    finish_reason: str | None = None
+    usage: dict | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+    @classmethod
+    def for_body(cls, body: dict, chat: bool) -> "Progress":
+        return cls(chat=chat, stops=_stops(body))
+
+    def take_ctx_answer(self, answer: dict) -> str:
+        """Record the ctx server's (not final) answer; return the text the client may get now.
+
+        The ctx server finished its part, so it held nothing back for stop strings: the tail
+        that could begin one is held back here, as the gen server will."""
+        choice = answer["choices"][0]
+        params = choice.get("disaggregated_params") or {}
+        self.head = {"id": answer.get("id", ""), "created": int(answer.get("created", 0) or 0),
+                     "model": answer.get("model", "")}
+        self.token_ids = [int(t) for t in params.get("first_gen_tokens") or []]
+        self.cached_tokens = params.get("cached_tokens")
+        usage = answer.get("usage") or {}
+        self.prompt_tokens = usage.get("prompt_tokens")
+        text = ((choice.get("message") or {}).get("content") if self.chat else choice.get("text")) or ""
+        safe = text[:len(text) - held_back_len(text, self.stops)]
+        self._send(safe)
+        return safe
+
+    def _send(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            self.sent_len += len(text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def first_chunk(self, text: str) -> dict:
+        """The chunk the client gets at once (chat: it carries ``role: assistant``)."""
+        assert self.head is not None
+        if self.chat:
+            return ChatCompletionChunk(**self.head, choices=[ChatChunkChoice(
+                delta=ChatDelta(role="assistant", content=text))]).model_dump(mode="json")
+        return CompletionChunk(**self.head, choices=[CompletionChunkChoice(text=text)]).model_dump(mode="json")
+
+    def final_usage(self) -> dict:
+        """The gen server's usage, or (its stream broke after the last token) one made here."""
+        if self.usage is not None:
+            return self.usage
+        prompt, done = self.prompt_tokens or 0, len(self.token_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done).model_dump(mode="json")
+
+    def answer(self) -> dict:
+        """The non-stream answer (OpenAI shape) assembled from what was streamed internally."""
+        head = self.head or {"id": "", "created": 0, "model": ""}
+        usage = Usage.model_validate(self.final_usage())
+        if self.chat:
+            choice = ChatChoice(message=ChatResponseMessage(content=self.text), finish_reason=self.finish_reason)
+            doc = ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(mode="json")
+        else:
+            choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason)
+            doc = CompletionResponse(**head, choices=[choice], usage=usage).model_dump(mode="json")
+        doc["choices"][0].pop("disaggregated_params", None)
+        return doc
+
+    def attempt(self) -> "Attempt":
+        """A merger for one more gen stream of this request (it starts at output token 0)."""
+        return Attempt(self)
+
+
+class Attempt:
+    """One gen stream's view: its cumulative text length and token ids."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.p = progress
+        self.text_len = 0
+        self.token_ids: list[int] = []
+        self.chunks = 0
+
+    def absorb(self, event: dict[str, Any]) -> dict | None:
+        """Merge one parsed gen chunk; return the chunk for the client, or None (nothing new).
+
+        The returned chunk is ``event`` itself, rewritten: the request's id and created time,
+        ``token_ids`` removed, the text cut to what the client does not have yet."""
+        self.chunks += 1
+        if self.p.head is None:
+            self.p.head = {k: event.get(k) for k in ("id", "created", "model")}
+        event.update(id=self.p.head["id"], created=self.p.head["created"])
+        choices = event.get("choices")
+        if not choices:  # the usage-only chunk
+            usage = event.get("usage")
+            if not usage:
+                return None
+            self.p.usage = self._usage(usage)
+            event["usage"] = self.p.usage
+            return event
+        choice = choices[0]
+        self._take_ids(choice.pop(TOKEN_IDS_FIELD, None))
+        delta = choice.get("delta") if self.p.chat else None
+        piece = ((delta or {}).get("content") if self.p.chat else choice.get("text")) or ""
+        new = self._unsent(piece)
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            self.p.finish_reason = finish
+        if not new and finish is None:
+            return None
+        if self.p.chat:
+            choice["delta"] = {**(delta or {}), "role": None, "content": new}
+        else:
+            choice["text"] = new
+        return event
+
+    def _usage(self, usage: dict) -> dict:
+        if self.p.cached_tokens is not None:  # the first ctx server's hit, not a re-prefill's
+            usage = {**usage, "prompt_tokens_details": {**(usage.get("prompt_tokens_details") or {}),
+                                                        "cached_tokens": self.p.cached_tokens}}
+        return usage
+
+    def _take_ids(self, ids: object) -> None:
+        if isinstance(ids, list) and ids:
+            self.token_ids.extend(int(t) for t in ids)
+            if len(self.token_ids) > len(self.p.token_ids):
+                self.p.token_ids = list(self.token_ids)
+
+    def _unsent(self, piece: str) -> str:
+        """The part of ``piece`` past what the client has (by characters of the output text)."""
+        before = self.text_len
+        self.text_len += len(piece)
+        if self.text_len <= self.p.sent_len:
+            return ""
+        new = piece[max(self.p.sent_len - before, 0):]
+        self.p._send(new)
+        return new
