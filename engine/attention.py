@@ -2,6 +2,8 @@
 
 kv_cache layout: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim].
 The batch is laid out with all decode tokens first (one per sequence), then prefill chunks.
+Sliding windows need no code here: the metadata (engine.attention_meta) lists only the blocks a
+window reaches and masks the keys outside it.
 """
 from __future__ import annotations
 
@@ -13,25 +15,32 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillChunk:
-    """One sequence's chunk of query tokens [start, start+length) whose context is ctx_len tokens."""
+    """One sequence's chunk of query tokens [start, start+length) of the step's batch.
+
+    direct: the chunk is the whole context (keys = this chunk's own k/v, no gather);
+    otherwise it attends to ctx_len keys gathered from block_ids (the first key is the first
+    token of block_ids[0]). mask: [length, ctx_len] bool (True = attend), None = plain causal
+    (only with direct).
+    """
 
     start: int
     length: int
     ctx_len: int
     block_ids: torch.Tensor      # [ceil(ctx_len / block_size)] int64
-    mask: torch.Tensor | None    # [length, ctx_len] bool, None when the chunk is the whole context
+    mask: torch.Tensor | None
+    direct: bool = False
 
 
 @dataclass
 class AttentionMetadata:
-    """Per-step indices shared by all layers."""
+    """Per-step indices shared by all layers of one attention kind (full, or one window)."""
 
     slot_blocks: torch.Tensor          # [T] block id of each new token
     slot_offsets: torch.Tensor         # [T] offset inside that block
     num_decodes: int                   # D: tokens 0..D-1 are single-token decodes
     decode_tables: torch.Tensor | None  # [D, max_blocks] int64 (padded with block 0)
-    decode_max_ctx: int                # longest decode context in tokens
-    decode_mask: torch.Tensor | None   # [D, 1, 1, decode_max_ctx] bool; None when D == 1
+    decode_max_ctx: int                # most keys gathered for one decode row, in tokens
+    decode_mask: torch.Tensor | None   # [D, 1, 1, decode_max_ctx] bool; None: all keys seen
     prefills: list[PrefillChunk]
 
 
@@ -79,7 +88,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.T
     4-D inputs with enable_gqa: on CPU they take SDPA's flash kernel, 3-D ones the math path
     (3x slower at 512 tokens, plus a GQA-expanded copy of K and V).
     """
-    if chunk.mask is None:  # the chunk is the whole context: use it directly, causal
+    if chunk.direct:  # the chunk is the whole context: use it directly
         ks, vs = k.transpose(0, 1), v.transpose(0, 1)
     else:
         ks = _gather(cache_k, chunk.block_ids, chunk.ctx_len)

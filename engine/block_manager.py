@@ -10,6 +10,10 @@ Every block is in one of three states:
   them. Cached referenced blocks are shared read-only: a request only writes the blocks past its
   cached prefix, which are its own (see ``docs/architecture.md``, "Prefix cache").
 
+Under a sliding window a block table may start with ``NULL_BLOCK`` entries (see
+``match_prefix(window=...)``): positions no query of that request can read, so no block backs
+them; every verb skips them.
+
 ``num_free_blocks`` counts free *and* evictable blocks (nobody references them), so "every block
 back" still means no request leaked one. The design follows nano-vllm's block manager: hash → block
 id map, token ids compared on a hit, reference counts.
@@ -20,6 +24,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
 from engine.kv_event_log import KVEventLog
+
+NULL_BLOCK = -1   # a block-table entry no KV block backs (before a sliding window's reach)
 
 
 class BlockManager:
@@ -68,7 +74,7 @@ class BlockManager:
     def can_allocate(self, num_blocks: int, sharing: Sequence[int] = ()) -> bool:
         """Whether num_blocks fresh blocks fit after taking references to ``sharing`` (cached
         blocks about to be shared: an evictable one among them is no longer available)."""
-        reclaimed = sum(1 for b in sharing if self._ref[b] == 0)
+        reclaimed = sum(1 for b in sharing if b != NULL_BLOCK and self._ref[b] == 0)
         return num_blocks <= self.num_free_blocks - reclaimed
 
     def allocate(self, num_blocks: int) -> list[int]:
@@ -99,27 +105,42 @@ class BlockManager:
             block_table.extend(self.allocate(missing))
 
     # ---- prefix cache ---------------------------------------------------------------------
-    def match_prefix(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
-        """Cached block ids of the longest prefix of full blocks: block i matches when
-        ``hashes[i]`` is cached *and* its stored token ids equal ``token_ids`` of block i.
-        Takes no reference (call :meth:`share`)."""
+    def match_prefix(self, hashes: Sequence[bytes], token_ids: Sequence[int],
+                     window: int | None = None) -> list[int]:
+        """Cached block ids of the longest usable prefix of full blocks; takes no reference
+        (call :meth:`share`). Block i matches when ``hashes[i]`` is cached *and* its stored
+        token ids equal ``token_ids`` of block i.
+
+        window None (full attention): the prefix is blocks 0..k-1, all matching.
+        window W (every layer slides by W tokens): resuming at position p = k*block_size, no
+        query reads a key before p - W + 1, so only blocks from ``(p - W + 1) // block_size`` to
+        k-1 must match; the earlier ones come back as NULL_BLOCK (they may have been evicted).
+        The KV of a block is still the one the whole prefix gives it: the hash names the whole
+        chain of tokens before it, not only the window.
+        """
         if not self.enable_caching:
             return []
-        bs, hit = self.block_size, []
+        bs, ids, run_start, best = self.block_size, [], 0, 0
         for i, h in enumerate(hashes):
             b = self._by_hash.get(h)
             if b is None or self._tokens[b] != tuple(token_ids[i * bs:(i + 1) * bs]):
-                break
-            hit.append(b)
-        return hit
+                if window is None:
+                    break
+                b, run_start = NULL_BLOCK, i + 1
+            ids.append(b)
+            if run_start <= _first(i + 1, bs, window):   # blocks the window needs all match
+                best = i + 1
+        skip = _first(best, bs, window)
+        return [NULL_BLOCK] * skip + ids[skip:best]
 
     def share(self, block_ids: Sequence[int]) -> list[int]:
         """Add a reference to each cached block (an evictable one leaves the LRU); returns them.
         Raises ValueError on a block that is not cached."""
-        for b in block_ids:
+        real = [b for b in block_ids if b != NULL_BLOCK]
+        for b in real:
             if self._hash[b] is None:
                 raise ValueError(f"KV block {b} is not cached")
-        for b in block_ids:
+        for b in real:
             if self._ref[b] == 0:
                 del self._evictable[b]
             self._ref[b] += 1
@@ -179,6 +200,7 @@ class BlockManager:
         table's tail first (so a request's last blocks are evicted before its first ones, which
         more requests share); an uncached one is free again.
         Raises ValueError on a block that is not allocated (nothing is changed then)."""
+        block_ids = [b for b in block_ids if b != NULL_BLOCK]
         for b, n in Counter(block_ids).items():
             if self._ref[b] < n:
                 raise ValueError(f"KV block {b} is not allocated")
@@ -189,3 +211,8 @@ class BlockManager:
         for b in reversed(block_ids):
             if self._ref[b] == 0 and self._hash[b] is not None and b not in self._evictable:
                 self._evictable[b] = None
+
+
+def _first(num_blocks: int, block_size: int, window: int | None) -> int:
+    """Leading blocks of a num_blocks hit that a request resuming after it never reads."""
+    return 0 if window is None else max(0, num_blocks * block_size - window + 1) // block_size

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.rope import RopeScaling, inv_freq
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 like HF. x: [T, H] -> [T, H] (x.dtype).
@@ -21,13 +23,15 @@ class RotaryTable:
     """RoPE cos and sign-folded sin tables [P, head_dim] for positions 0..P-1, built once and
     grown (doubling) when a step needs a later position, instead of recomputed every step.
 
-    Values equal HF's: inv_freq = 1 / theta^(2i / head_dim) in float32, angle = position *
-    inv_freq, cos/sin duplicated over both halves, cast to dtype. The sin table's first half is
-    negated so that apply_rope needs one roll instead of HF's rotate_half (slice, neg, cat).
+    Values equal HF's: inv_freq = 1 / theta^(2i / head_dim) in float32 (rescaled by `scaling`,
+    engine.rope), angle = position * inv_freq, cos/sin duplicated over both halves, cast to
+    dtype. The sin table's first half is negated so that apply_rope needs one roll instead of
+    HF's rotate_half (slice, neg, cat).
     """
 
-    def __init__(self, head_dim: int, theta: float, dtype: torch.dtype, size: int = 4096):
-        self.head_dim, self.theta, self.dtype = head_dim, theta, dtype
+    def __init__(self, head_dim: int, theta: float, dtype: torch.dtype, size: int = 4096,
+                 scaling: RopeScaling | None = None):
+        self.head_dim, self.theta, self.dtype, self.scaling = head_dim, theta, dtype, scaling
         self.cos = self.sin = torch.empty(0)
         self._size = size
 
@@ -41,9 +45,8 @@ class RotaryTable:
 
     def _build(self, size: int, device: torch.device) -> None:
         hd = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device)
-                                         .float() / hd))
-        freqs = torch.arange(size, device=device).float()[:, None] * inv_freq[None, :]
+        freq = inv_freq(hd, self.theta, self.scaling, device)
+        freqs = torch.arange(size, device=device).float()[:, None] * freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
         sin[:, :hd // 2] = -sin[:, :hd // 2]

@@ -82,7 +82,7 @@ class LLMEngine:
                                           config.enable_prefix_caching, self.kv_events)
         self.hasher = BlockHasher(config.served_model_name or config.model, config.dtype,
                                   config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self._to_emit: dict[str, Sequence] = {}
         if self.tp.enabled:

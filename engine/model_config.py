@@ -6,12 +6,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+from engine.rope import RopeScaling, parse_rope_scaling
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")          # GGUF files
+SUPPORTED_HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # HF config.json model_type
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family hyper-parameters (sizes in elements, rope_theta in radians base)."""
+    """Llama-family hyper-parameters (sizes in elements, rope_theta in radians base).
+
+    rope_scaling: Llama 3.x `llama3` frequency scaling (engine.rope), None = default RoPE.
+    layer_windows: per layer, the sliding attention window in tokens (a query at position i sees
+        keys j with i - window < j <= i, HF's rule) or None for full attention; () = every layer
+        full.
+    qk_norm: Qwen3's per-head RMSNorm of q and k (weights [head_dim]) before RoPE.
+    """
 
     architecture: str
     num_layers: int
@@ -28,6 +38,20 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: list[int]
+    rope_scaling: RopeScaling | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    qk_norm: bool = False
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` in tokens, None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when *every* layer slides with the same one (what the prefix cache can
+        exploit, see Scheduler), else None."""
+        ws = set(self.layer_windows)
+        return ws.pop() if len(ws) == 1 and None not in ws else None
 
 
 def _as_list(value: Any) -> list[int]:
@@ -36,17 +60,54 @@ def _as_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from a legacy (`rope_theta` + `rope_scaling`) or a transformers 5
+    (`rope_parameters`) config. Raises ValueError for per-layer-type rope parameters and for
+    scaling types other than default / llama3."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope parameters are not supported: {sorted(params)}")
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return float(theta), parse_rope_scaling(params)
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows, as HF transformers reads the same config.json.
+
+    mistral: `sliding_window` (null = none) on every layer. qwen2/qwen3: only with
+    `use_sliding_window: true` (Qwen2.5 ships `sliding_window` set with `use_sliding_window:
+    false`: full attention), then on the layers `layer_types` names `sliding_attention`, or on
+    layers >= `max_window_layers` (default 28) without it. llama: none. Raises ValueError on an
+    unknown layer type or a window < 1.
+    """
+    window = cfg.get("sliding_window")
+    if arch == "llama" or window is None:
+        return ()
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return ()
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    types = cfg.get("layer_types") if arch != "mistral" else None  # HF's Mistral ignores them
+    if types is None:
+        first = cfg.get("max_window_layers", 28) if arch != "mistral" else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    bad = set(types) - {"sliding_attention", "full_attention"}
+    if bad or len(types) != num_layers:
+        raise ValueError(f"unsupported layer_types {sorted(bad) or len(types)}")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
 def model_config_from_hf(model_dir: Path) -> ModelConfig:
-    """Read config.json of a HF directory. Raises ValueError for non-Llama-family models."""
+    """Read config.json of a HF directory. Raises ValueError for model types other than
+    SUPPORTED_HF_ARCHS and for features the engine does not implement (rope scaling types
+    other than llama3, per-layer rope, unknown layer types)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = cfg.get("model_type", "llama")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported model_type {arch!r} (supported: {SUPPORTED_ARCHS})")
-    scaling = cfg.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling {scaling}")
+    if arch not in SUPPORTED_HF_ARCHS:
+        raise ValueError(f"unsupported model_type {arch!r} (supported: {SUPPORTED_HF_ARCHS})")
+    theta, scaling = _rope(cfg)
     heads = cfg["num_attention_heads"]
-    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     return ModelConfig(
         architecture=arch,
         num_layers=cfg["num_hidden_layers"],
@@ -56,13 +117,16 @@ def model_config_from_hf(model_dir: Path) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
-        rope_theta=float(theta),
+        rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_list(cfg.get("eos_token_id")),
+        rope_scaling=scaling,
+        layer_windows=_layer_windows(cfg, arch, cfg["num_hidden_layers"]),
+        qk_norm=arch == "qwen3",
     )
 
 

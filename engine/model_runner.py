@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata
+from engine.attention_meta import build_metadata
 from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model import LlamaModel
 from engine.sampler import Sampler
@@ -115,13 +116,15 @@ class ModelRunner:
         pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
                          for it in plan.items])
         rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
-        meta = self._metadata(plan.items, pos)
+        metas = {w: build_metadata(plan.items, pos, self.block_size, w)
+                 for w in set(self.model.windows)}   # full attention and/or each window
         max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
         ids = torch.tensor(plan.input_ids, dtype=torch.long)
         if self.device.type != "cpu":
-            ids, pos, rows, meta = (_to(ids, self.device), _to(pos, self.device), _to(rows, self.device),
-                                    _meta_to(meta, self.device))
-        return self.model.forward(ids, pos, rows, self.kv_cache, meta, compute_logits=compute_logits,
+            ids, pos, rows = _to(ids, self.device), _to(pos, self.device), _to(rows, self.device)
+            metas = {w: _meta_to(m, self.device) for w, m in metas.items()}
+        return self.model.forward(ids, pos, rows, self.kv_cache, metas,
+                                  compute_logits=compute_logits,
                                   max_position=max_pos)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
@@ -165,44 +168,3 @@ class ModelRunner:
             sp.seq.prompt_logprobs.extend(entries[at:at + sp.count])
             at += sp.count
 
-    def _metadata(self, items: list[PlanItem], pos: torch.Tensor) -> AttentionMetadata:
-        bs = self.block_size
-        tables = [torch.tensor(it.block_ids, dtype=torch.long) for it in items]
-        slot_blocks = torch.cat([t[pos_slice // bs] for t, pos_slice in
-                                 zip(tables, torch.split(pos, [it.num_new for it in items]))])
-        decodes = [(it, t) for it, t in zip(items, tables) if it.num_new == 1]
-        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=pos % bs,
-                                 num_decodes=len(decodes), decode_tables=None, decode_max_ctx=0,
-                                 decode_mask=None, prefills=[])
-        if decodes:
-            self._decode_metadata(meta, decodes)
-        start = len(decodes)
-        for it, table in zip(items[len(decodes):], tables[len(decodes):]):
-            meta.prefills.append(self._chunk(it, table, start))
-            start += it.num_new
-        return meta
-
-    def _decode_metadata(self, meta: AttentionMetadata,
-                         decodes: list[tuple[PlanItem, torch.Tensor]]) -> None:
-        ctx = [it.num_computed + 1 for it, _ in decodes]
-        max_ctx = max(ctx)
-        nb = -(-max_ctx // self.block_size)
-        tables = torch.zeros(len(decodes), nb, dtype=torch.long)
-        for i, (_, t) in enumerate(decodes):
-            n = min(nb, len(t))
-            tables[i, :n] = t[:n]
-        meta.decode_tables = tables
-        meta.decode_max_ctx = max_ctx
-        if len(decodes) > 1:
-            key = torch.arange(max_ctx)
-            meta.decode_mask = (key[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :]
-
-    def _chunk(self, it: PlanItem, table: torch.Tensor, start: int) -> PrefillChunk:
-        c, k = it.num_computed, it.num_new
-        ctx = c + k
-        mask = None
-        if c > 0:
-            q_pos = torch.arange(c, ctx)
-            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-        return PrefillChunk(start=start, length=k, ctx_len=ctx,
-                            block_ids=table[:-(-ctx // self.block_size)], mask=mask)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.request import Phase
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -24,11 +25,16 @@ class Scheduler:
     waiting: FCFS queue (preempted sequences go back to its front). running: scheduled each step,
     in admission order. pulling: GENERATION_ONLY with blocks, waiting for kv_ready. parked:
     CONTEXT_ONLY hand-offs whose blocks stay allocated until released.
+
+    sliding_window: the model's window in tokens when every layer slides by it (None otherwise):
+    a prefix hit then needs only the blocks that window reaches (BlockManager.match_prefix).
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 sliding_window: int | None = None):
         self.config = config
         self.bm = block_manager
+        self.sliding_window = sliding_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.pulling: dict[str, Sequence] = {}
@@ -109,11 +115,14 @@ class Scheduler:
         """Cached blocks seq may start after: its longest cached prefix of full blocks, capped at
         num_tokens - 1 tokens so the last token is computed (its logits sample the next token)
         and every block seq writes is its own (a prompt ending on a block boundary recomputes its
-        last block into a fresh one). None for a request that wants prompt logprobs (vLLM's rule)."""
+        last block into a fresh one). Under a sliding window the hit may start with NULL_BLOCK
+        entries, except for a CONTEXT_ONLY request: its whole block table is handed off. None for a
+        request that wants prompt logprobs (vLLM's rule)."""
         if not self.bm.enable_caching or seq.hash_chain is None or seq.wants_prompt_logprobs:
             return []  # prompt logprobs need every prompt position's logits: computed, not cached
         max_blocks = (seq.num_tokens - 1) // self.bm.block_size
-        return self.bm.match_prefix(seq.block_hashes()[:max_blocks], seq.token_ids)
+        window = None if seq.phase is Phase.CONTEXT_ONLY else self.sliding_window
+        return self.bm.match_prefix(seq.block_hashes()[:max_blocks], seq.token_ids, window)
 
     def _reuse_prefix(self, seq: Sequence, hit: list[int]) -> None:
         """Start seq (no blocks yet) after the cached blocks ``hit``; count the lookup."""

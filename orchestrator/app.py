@@ -173,7 +173,7 @@ class Orchestrator:
                     "max_instances": p.max_instances, "ready": len(pool.ready()),
                     "in_flight": sum(s.in_flight for s in pool.servers),
                     "servers": [self._server_status(s) for s in pool.servers],
-                    "kv_hits": self.selfcheck.pools[role].as_dict()}
+                    "kv_hits": self._kv_hits(role)}
             if self.fleet is not None:
                 info.update(self.fleet.pool_status(role))
             pools[role] = info
@@ -182,6 +182,15 @@ class Orchestrator:
         if isinstance(self.side, OwnerSide):
             out["processes"] = self.side.status()
         return out
+
+    def _kv_hits(self, role: str) -> dict:
+        """The router self-check totals of ``role``'s pool: this process's, plus every worker's
+        (their feed reports) when this is the owner of a process group."""
+        hits = self.selfcheck.pools[role].as_dict()
+        if isinstance(self.side, OwnerSide):
+            for key, value in self.side.hub.kv_hits(role).items():
+                hits[key] = hits.get(key, 0) + value
+        return hits
 
     def _server_status(self, server) -> dict:
         index = self.kv_indexes.find(server.url) if self.kv_feeds is not None else None

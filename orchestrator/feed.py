@@ -3,7 +3,8 @@
 HTTP/1.1 on the owner's private unix socket (``orch0.sock``), one round trip per worker every
 ``orchestrator.worker_feed_interval_s`` (0.1 s):
 
-    worker -> owner   POST /internal/feed   WorkerReport {worker, pid, in_flight: {url: n}, unhealthy: [[url, why]]}
+    worker -> owner   POST /internal/feed   WorkerReport {worker, pid, in_flight: {url: n}, unhealthy: [[url, why]],
+                                                          kv_hits: {pool: totals}}
     owner  -> worker  200                   OwnerView {servers: [Server.snapshot() + others_in_flight]}
 
 * ``in_flight``: the requests this worker has open on each server. The owner sums the fresh
@@ -11,6 +12,8 @@ HTTP/1.1 on the owner's private unix socket (``orch0.sock``), one round trip per
   or of a worker that exited, counts no more.
 * ``unhealthy``: servers this worker saw fail a request since its last report; the owner marks
   them unhealthy before it answers (until their next good health poll, as for its own failures).
+* ``kv_hits``: the worker's router self-check totals per pool (:class:`~orchestrator.kv_selfcheck.PoolHits`);
+  the owner adds them to its own in ``/cluster/status`` (:meth:`FeedHub.kv_hits`).
 * The view names every member with its state, KV layout and context window, and
   ``others_in_flight``: what every *other* process has open on it. The worker mirrors it into its
   own :class:`~orchestrator.pools.ClusterPools` (:func:`apply_view`), so its routers, ``/health``
@@ -53,17 +56,19 @@ class WorkerReport:
     pid: int
     in_flight: dict[str, int] = field(default_factory=dict)   # server url -> requests open on it here
     unhealthy: list[tuple[str, str]] = field(default_factory=list)  # (url, reason) seen failing
+    kv_hits: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> PoolHits totals (tokens)
 
     def to_json(self) -> bytes:
         return jsonio.dumps({"worker": self.worker, "pid": self.pid, "in_flight": self.in_flight,
-                             "unhealthy": [list(u) for u in self.unhealthy]})
+                             "unhealthy": [list(u) for u in self.unhealthy], "kv_hits": self.kv_hits})
 
     @classmethod
     def from_json(cls, raw: bytes) -> "WorkerReport":
         """Raises ValueError/KeyError/TypeError on a malformed body."""
         doc = jsonio.loads(raw)
         return cls(int(doc["worker"]), int(doc["pid"]), {str(k): int(v) for k, v in doc["in_flight"].items()},
-                   [(str(u), str(why)) for u, why in doc["unhealthy"]])
+                   [(str(u), str(why)) for u, why in doc["unhealthy"]],
+                   {str(p): {str(k): int(v) for k, v in h.items()} for p, h in doc.get("kv_hits", {}).items()})
 
 
 class FeedHub:
@@ -107,6 +112,15 @@ class FeedHub:
         return {i: {"pid": r.pid, "report_age_s": round(now - t, 3), "in_flight": sum(r.in_flight.values())}
                 for i, (t, r) in self._reports.items()}
 
+    def kv_hits(self, pool: str) -> dict[str, int]:
+        """The workers' self-check totals of ``pool`` summed (tokens; {} before any report). Every
+        known report counts, stale or not (the totals are cumulative); an exited worker's do not."""
+        out: dict[str, int] = {}
+        for _, r in self._reports.values():
+            for key, value in r.kv_hits.get(pool, {}).items():
+                out[key] = out.get(key, 0) + value
+        return out
+
     def _find(self, url: str) -> Server | None:
         return next((s for s in self._pools.all_servers() if s.url == url), None)
 
@@ -145,8 +159,10 @@ class FeedClient:
     where a per-server subscription (the KV-event index) attaches in a worker process.
     """
 
-    def __init__(self, spec: ProcessSpec, pools: ClusterPools, interval_s: float) -> None:
+    def __init__(self, spec: ProcessSpec, pools: ClusterPools, interval_s: float,
+                 kv_hits: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
         self._spec, self._pools, self._interval_s = spec, pools, interval_s
+        self._kv_hits = kv_hits  # this process's self-check totals per pool, sent with each report
         self._client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=spec.socket_path(0)),
                                          timeout=FEED_TIMEOUT_S, trust_env=False)
         self._view_state: dict[str, ServerState] = {}  # url -> the state the last view gave it
@@ -197,7 +213,8 @@ class FeedClient:
         unhealthy = [(s.url, s.last_error or "request failed") for s in servers
                      if s.state is ServerState.UNHEALTHY and self._view_state.get(s.url) is not ServerState.UNHEALTHY]
         return WorkerReport(self._spec.index, os.getpid(),
-                            {s.url: s.local_in_flight for s in servers if s.local_in_flight}, unhealthy)
+                            {s.url: s.local_in_flight for s in servers if s.local_in_flight}, unhealthy,
+                            self._kv_hits() if self._kv_hits is not None else {})
 
     async def exchange(self) -> None:
         """One round trip: report, then mirror the answer. Raises httpx.HTTPError, ValueError or

@@ -46,7 +46,8 @@ class WorkerSide:
     def __init__(self, orch: "Orchestrator", spec: ProcessSpec) -> None:
         self.spec = spec
         self._orch = orch
-        self.feed = FeedClient(spec, orch.pools, orch.settings.worker_feed_interval_s)
+        self.feed = FeedClient(spec, orch.pools, orch.settings.worker_feed_interval_s,
+                               kv_hits=lambda: {pool: h.as_dict() for pool, h in orch.selfcheck.pools.items()})
         self._owner = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=spec.socket_path(0)),
                                         timeout=FORWARD_TIMEOUT_S, trust_env=False)
 

@@ -131,7 +131,7 @@ def _event(obj: object) -> KVEvent:
         parent = obj.get("parent")
         if parent is not None and not isinstance(parent, str):
             raise KVWireError("parent must be a hex string or null")
-        return BlockStored(_hashes(obj.get("hashes")), bytes.fromhex(parent) if parent else None)
+        return BlockStored(_hashes(obj.get("hashes")), _hashes([parent])[0] if parent else None)
     if kind == "removed":
         return BlockRemoved(_hashes(obj.get("hashes")))
     if kind == "cleared":
@@ -147,7 +147,7 @@ def parse_line(line: str | bytes) -> KVSnapshot | KVEventBatch | tuple[str, str,
     """
     try:
         obj = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the decoder's stack
         raise KVWireError("not JSON") from None
     if not isinstance(obj, dict):
         raise KVWireError("a line must be an object")

@@ -52,3 +52,18 @@ def hf_smollm2():
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory, tiny_dir) -> dict[str, Path]:
+    """family name -> random-weight HF checkpoint of tests/engine/families.py (SmolLM2 tokenizer)."""
+    from families import FAMILIES, make_family_dir
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_family_dir(root / name, name, tiny_dir) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def hf_tokens(family_dirs) -> dict[str, list[list[int]]]:
+    """family name -> HF transformers' greedy tokens for families.prompts() (N_NEW each)."""
+    from families import N_NEW, hf_reference, prompts
+    return {name: hf_reference(path, prompts(), N_NEW) for name, path in family_dirs.items()}

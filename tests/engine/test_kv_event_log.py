@@ -123,3 +123,13 @@ def test_a_real_engine_under_memory_pressure_announces_exactly_what_it_holds(tin
     assert any(isinstance(e, BlockRemoved) for b in batches for e in b.events)  # pressure evicted
     snap = engine.kv_snapshot()
     assert snap.seq == batches[-1].seq and set(snap.hashes) == replay(batches)
+
+
+def test_garbage_a_subscriber_may_read_is_refused_as_a_wire_error_not_another_exception():
+    # review2: a bad parent hash raised ValueError and deep nesting RecursionError, which the
+    # orchestrator's KV feed does not catch: its subscriber task died with a traceback.
+    for bad in (b'{"type":"batch","epoch":"e","seq":1,"events":[{"kind":"stored","hashes":[],"parent":"zz"}]}',
+                b'{"type":"batch","epoch":"e","seq":1,"events":[{"kind":"stored","hashes":["00"],"parent":"0"}]}',
+                b"[" * 100_000 + b"]" * 100_000, b'{"type":"snapshot","epoch":"e","seq":1,"hashes":' + b"[" * 100_000):
+        with pytest.raises(KVWireError):
+            parse_line(bad)

@@ -95,6 +95,23 @@ def test_report_round_trips_and_a_malformed_one_is_refused():
         raise AssertionError(f"accepted {bad!r}")
 
 
+def test_the_owner_adds_each_workers_kv_hit_self_check_to_its_own():
+    # review2: with num_workers 2, /cluster/status (and so `pdserve status`) showed process 0's
+    # predicted/reported hit tokens alone while /metrics summed all processes.
+    hits = {"ctx": {"requests": 2, "prompt_tokens": 80, "predicted_hit_tokens": 40, "reported_hit_tokens": 36,
+                    "unindexed": 1}}
+    r = WorkerReport(1, 101, {}, [], hits)
+    assert WorkerReport.from_json(r.to_json()) == r
+    hub = FeedHub(_pools())
+    hub.receive(r)
+    hub.receive(WorkerReport(2, 102, {}, [], {"ctx": {**hits["ctx"], "requests": 3}}))
+    assert hub.kv_hits("ctx") == {"requests": 5, "prompt_tokens": 160, "predicted_hit_tokens": 80,
+                                  "reported_hit_tokens": 72, "unindexed": 2}
+    assert hub.kv_hits("gen") == {}
+    hub.forget(2)  # an exited worker's counts go, as its /metrics do
+    assert hub.kv_hits("ctx")["requests"] == 2
+
+
 def _value(text: bytes, series: str) -> float:
     m = re.search(rb"^" + re.escape(series.encode()) + rb" (\S+)$", text, re.M)
     assert m, series
