@@ -68,7 +68,8 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache((config.num_kv_blocks, mc.num_layers, 2, config.block_size,
                                             self.local_kv_heads, mc.head_dim), dtype, config.kv_cache_file,
                                            config.kv_cache_huge_pages, config.device)
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, Sampler(), config.device)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size,
+                                  Sampler(model.config.eos_token_ids), config.device)
         self._plans: PlanBroadcaster | None = None
         if not self.tp.is_driver:
             barrier(self.tp)  # rank 0 loads a tokenizer too: wait for it here, not for a plan
@@ -179,8 +180,9 @@ class LLMEngine:
         if num_cached_tokens is not None:
             seq.num_cached_tokens = num_cached_tokens
         self.scheduler.kv_arrived(request_id)
-        for token in seq.first_token_ids:
-            reason = self.output_processor.add_token(seq, token)
+        logprobs = seq.first_token_logprobs if seq.sampling.logprobs is not None else []
+        for i, token in enumerate(seq.first_token_ids):
+            reason = self.output_processor.add_token(seq, token, logprobs[i] if i < len(logprobs) else None)
             if reason is not None:
                 self._finish(seq, reason)
                 return
@@ -207,16 +209,17 @@ class LLMEngine:
         pulls = batch.pulls
         has_extra = extra is not None
         if batch.items:
-            plan, seqs = self.runner.plan(batch.items)
+            plan, seqs, spans = self.runner.plan(batch.items)
             with self._tp_unit():
                 self._broadcast(TPMessage(RUN, plan, extra, has_extra))
                 logits = self.runner.forward(plan)
-            sampled = self.runner.sample(seqs, logits)
+            self.runner.record_prompt_logprobs(spans, logits[len(seqs):])
+            sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
             for seq, k in batch.items:
                 seq.num_computed += k
                 self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
                 if seq.request_id in sampled:
-                    self._apply_token(seq, sampled[seq.request_id])
+                    self._apply_token(seq, *sampled[seq.request_id])
         elif has_extra:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         outputs = self._drain_outputs()
@@ -277,8 +280,8 @@ class LLMEngine:
             raise RuntimeError("TP followers were stopped (stop_followers)")
         return self._plans
 
-    def _apply_token(self, seq: Sequence, token: int) -> None:
-        reason = self.output_processor.add_token(seq, token)
+    def _apply_token(self, seq: Sequence, token: int, logprob=None) -> None:
+        reason = self.output_processor.add_token(seq, token, logprob)
         self._to_emit[seq.request_id] = seq
         if reason is not None:
             self._finish(seq, reason)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention_meta import build_metadata
+from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.sequence import Sequence
@@ -27,12 +28,24 @@ class ExecPlan:
     """What one forward needs, as plain picklable data (TP rank 0 broadcasts it).
 
     items: decodes (num_new == 1) first, then prefill chunks; input_ids: their new tokens
-    concatenated in that order; sample_rows: rows of input_ids whose logits are sampled.
+    concatenated in that order; sample_rows: rows of input_ids whose logits are sampled;
+    prompt_rows: rows whose logits give prompt logprobs (after the sample rows in the logits).
     """
 
     input_ids: list[int]
     items: list[PlanItem]
     sample_rows: list[int]
+    prompt_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PromptSpan:
+    """Prompt logprobs one step computes for ``seq``: positions [start, start + count), each
+    predicting the prompt token after it."""
+
+    seq: Sequence
+    start: int
+    count: int
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -71,26 +84,38 @@ class ModelRunner:
     def execute(self, items: list[tuple[Sequence, int]]) -> dict[str, int]:
         """Compute KV for the new tokens; return request_id -> sampled token for every sequence
         whose tokens are now all computed (decodes and final prefill chunks)."""
-        plan, seqs = self.plan(items)
-        return self.sample(seqs, self.forward(plan))
+        plan, seqs, spans = self.plan(items)
+        logits = self.forward(plan)
+        self.record_prompt_logprobs(spans, logits[len(seqs):])
+        return self.sample(seqs, logits[:len(seqs)])
 
-    def plan(self, items: list[tuple[Sequence, int]]) -> tuple[ExecPlan, list[Sequence]]:
-        """The plan of this step and the sequences its sample rows belong to (in row order)."""
-        input_ids, plan_items, rows, seqs = [], [], [], []
+    def plan(self, items: list[tuple[Sequence, int]]
+             ) -> tuple[ExecPlan, list[Sequence], list[PromptSpan]]:
+        """The plan of this step, the sequences its sample rows belong to (in row order) and the
+        prompt-logprob spans of its prompt rows (in row order)."""
+        input_ids, plan_items, rows, seqs, prompt_rows, spans = [], [], [], [], [], []
         for seq, k in _ordered(items):
             c = seq.num_computed
+            if seq.wants_prompt_logprobs:  # positions i predict prompt token i + 1
+                start = max(c, len(seq.prompt_logprobs) - 1)
+                stop = min(c + k, seq.num_prompt_tokens - 1)
+                if stop > start:
+                    base = len(input_ids) - c
+                    prompt_rows += range(base + start, base + stop)
+                    spans.append(PromptSpan(seq, start, stop - start))
             input_ids += seq.token_ids[c:c + k]
             plan_items.append(PlanItem(c, k, seq.block_ids[:-(-(c + k) // self.block_size)]))
             if c + k == seq.num_tokens:
                 rows.append(len(input_ids) - 1)
                 seqs.append(seq)
-        return ExecPlan(input_ids, plan_items, rows), seqs
+        return ExecPlan(input_ids, plan_items, rows, prompt_rows), seqs, spans
 
     def forward(self, plan: ExecPlan, compute_logits: bool = True) -> torch.Tensor | None:
-        """Run the model on plan (writes the KV); float32 logits [len(sample_rows), vocab]."""
+        """Run the model on plan (writes the KV); float32 logits [len(sample_rows) +
+        len(prompt_rows), vocab]: the sample rows first."""
         pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
                          for it in plan.items])
-        rows = torch.tensor(plan.sample_rows, dtype=torch.long)
+        rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
         metas = {w: build_metadata(plan.items, pos, self.block_size, w)
                  for w in set(self.model.windows)}   # full attention and/or each window
         max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
@@ -103,9 +128,43 @@ class ModelRunner:
                                   max_position=max_pos)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
+        """request_id -> sampled token of each sequence (logits: its rows, in seqs order)."""
+        return {rid: t for rid, (t, _) in self.sample_with_logprobs(seqs, logits).items()}
+
+    def sample_with_logprobs(self, seqs: list[Sequence], logits: torch.Tensor
+                             ) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """request_id -> (sampled token, its logprob entry when sampling.logprobs is set)."""
         if not seqs:
             return {}
+        params = [s.sampling for s in seqs]
+        history = None
+        if any(sp.processed for sp in params):
+            history = [(s.token_ids[:s.num_prompt_tokens] if s.sampling.repetition_penalty != 1.0 else [],
+                        s.output_token_ids if s.sampling.processed else []) for s in seqs]
         # choice index 0: one choice per sequence until n > 1 gives each choice its own stream
-        tokens = self.sampler.sample(logits, [s.sampling for s in seqs],
-                                     [s.num_output_tokens for s in seqs], [0] * len(seqs))
-        return {s.request_id: t for s, t in zip(seqs, tokens)}
+        ids = self.sampler.sample_ids(logits, params, [s.num_output_tokens for s in seqs], [0] * len(seqs),
+                                      history)
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        if want:
+            idx = torch.tensor(want, device=logits.device)
+            entries = token_logprobs(logits.index_select(0, idx), ids.index_select(0, idx),
+                                     [params[i].logprobs for i in want])
+            for i, entry in zip(want, entries):
+                logprobs[i] = entry
+        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, ids.tolist(), logprobs)}
+
+    def record_prompt_logprobs(self, spans: list[PromptSpan], logits: torch.Tensor) -> None:
+        """Append each span's prompt logprobs to its sequence; logits: the prompt rows, in order."""
+        if not spans:
+            return
+        targets, ks = [], []
+        for sp in spans:
+            targets += sp.seq.token_ids[sp.start + 1:sp.start + 1 + sp.count]
+            ks += [sp.seq.sampling.prompt_logprobs] * sp.count
+        entries = token_logprobs(logits, torch.tensor(targets, device=logits.device), ks)
+        at = 0
+        for sp in spans:
+            sp.seq.prompt_logprobs.extend(entries[at:at + sp.count])
+            at += sp.count
+

@@ -1,6 +1,7 @@
 """Apply sampled tokens to sequences: detokenize, check stops, build RequestOutputs."""
 from __future__ import annotations
 
+from engine.logprobs import TokenLogprob
 from engine.request import RequestOutput
 from engine.sequence import Sequence
 from engine.stop_checker import find_stop_string, held_back_len, token_finish_reason
@@ -13,16 +14,17 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def add_token(self, seq: Sequence, token_id: int) -> str | None:
-        """Append token_id to seq and its text; return a finish reason or None."""
-        seq.append_token(token_id)
+    def add_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None) -> str | None:
+        """Append token_id (and its logprob) to seq and its text; return a finish reason or None.
+        Stop strings end the output only once it has sampling.min_tokens tokens (vLLM's rule)."""
+        seq.append_token(token_id, logprob)
         reason = token_finish_reason(seq, token_id, self.eos_token_ids, self.max_model_len)
         delta = seq.detokenizer.push([token_id])
         if reason is not None:
             delta += seq.detokenizer.flush()
         start = len(seq.output_text)
         seq.output_text += delta
-        if seq.sampling.stop and delta:
+        if seq.sampling.stop and delta and seq.num_output_tokens >= seq.sampling.min_tokens:
             idx = find_stop_string(seq.output_text, seq.sampling.stop, start)
             if idx is not None:
                 seq.output_text = seq.output_text[:idx]
@@ -42,6 +44,10 @@ class OutputProcessor:
         text = seq.output_text[seq.emitted_text_len:end]
         seq.emitted_text_len = end
         tokens, seq.pending_token_ids = seq.pending_token_ids, []
+        logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and tokens and not seq.prompt_logprobs_reported:
+            prompt_logprobs, seq.prompt_logprobs_reported = seq.prompt_logprobs, True
         queue_time_s = None
         if seq.queue_time_s is not None and not seq.queue_time_reported:
             queue_time_s, seq.queue_time_reported = seq.queue_time_s, True
@@ -50,4 +56,6 @@ class OutputProcessor:
             finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             parked_block_ids=parked_block_ids, queue_time_s=queue_time_s,
-            num_cached_tokens=seq.num_cached_tokens or 0)
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            new_logprobs=logprobs if seq.sampling.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -38,6 +39,8 @@ class EngineRequest:
     cache_salt: str | None = None
     num_cached_tokens: int = 0
     source_block_hashes: list[bytes] | None = None
+    first_token_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     first_tokens_later: bool = False
 
 
@@ -51,7 +54,10 @@ class RequestOutput:
     from arrival in the engine to first admission, like vLLM's request_queue_time) is set on the
     first output after admission and None on every other. num_cached_tokens: prompt tokens whose
     KV came from the prefix cache at the request's first admission (OpenAI's
-    ``usage.prompt_tokens_details.cached_tokens``; 0 until admitted).
+    ``usage.prompt_tokens_details.cached_tokens``; 0 until admitted). new_logprobs: one per
+    new_token_ids entry when sampling.logprobs is set, else None. prompt_logprobs (sampling.
+    prompt_logprobs set): one per prompt token (None for the first), on the first output that
+    carries output tokens, else None.
     """
 
     request_id: str
@@ -64,6 +70,8 @@ class RequestOutput:
     parked_block_ids: list[int] | None = None
     queue_time_s: float | None = None
     num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -1,8 +1,12 @@
 """Token sampling: one batched, device-agnostic step with one host transfer (the sampled ids).
 
-Semantics (OpenAI / vLLM): temperature 0 is greedy argmax; otherwise logits are divided by the
-temperature, top-k keeps the k highest (exactly k, by rank), top-p keeps the smallest prefix of
-the remaining tokens, in descending probability (softmax after top-k), whose mass reaches top_p.
+Semantics (OpenAI / vLLM): the logits processors of :mod:`engine.logits_processors` (logit_bias,
+min_tokens, penalties) apply first, to greedy and sampled rows alike; temperature 0 is then greedy
+argmax; otherwise logits are divided by the temperature, min_p drops the tokens whose probability
+is below min_p times the largest, top-k keeps the k highest (exactly k, by rank), top-p keeps the
+smallest prefix of the remaining tokens, in descending probability (softmax after top-k), whose
+mass reaches top_p. A batch in which no row uses a processor or min_p takes exactly the path it
+took before they existed (greedy stays bit-identical).
 
 Randomness is the Gumbel-max trick (Gumbel 1954; e.g. Maddison, Tarlow and Minka, "A* Sampling",
 NeurIPS 2014): ``argmax_v(logits_v / T + G_v)`` with i.i.d. standard Gumbel ``G_v`` is an exact
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.counter_rng import as_int64, gumbel_argmax, stream_keys
+from engine.logits_processors import History, process_logits
 from engine.sampling_params import SamplingParams
 
 
@@ -31,6 +36,7 @@ class _Rows:
     temperature: list[float]
     top_k: list[int]           # effective k per row, V when top-k is off
     top_p: list[float]
+    min_p: list[float]
     seeds: list[int]           # int64 bit patterns
     choices: list[int]
     positions: list[int]
@@ -54,6 +60,7 @@ def _rows(params: list[SamplingParams], positions: list[int], choices: list[int]
                  temperature=[params[i].temperature for i in picked],
                  top_k=[params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in picked],
                  top_p=[params[i].top_p for i in picked],
+                 min_p=[params[i].min_p for i in picked],
                  seeds=[as_int64(params[i].seed) for i in picked],
                  choices=[as_int64(choices[i]) for i in picked],
                  positions=[as_int64(positions[i]) for i in picked])
@@ -81,6 +88,9 @@ def _sample_rows(logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
     dev = logits.device
     sub = logits.index_select(0, torch.tensor(rows.index, device=dev))
     scaled = sub / torch.tensor(rows.temperature, device=dev, dtype=sub.dtype)[:, None]
+    if any(p > 0 for p in rows.min_p):  # p(v) < min_p * p_max  <=>  scaled_v < max + log(min_p)
+        floor = torch.tensor(rows.min_p, device=dev, dtype=sub.dtype).log()[:, None]
+        scaled = scaled.masked_fill(scaled < scaled.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     keys = stream_keys(torch.tensor(rows.seeds, device=dev), torch.tensor(rows.choices, device=dev),
                        torch.tensor(rows.positions, device=dev))
     if not rows.filtered:
@@ -90,19 +100,31 @@ def _sample_rows(logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks one token per row of logits; stateless (every draw is keyed, nothing is consumed)."""
+    """Picks one token per row of logits; stateless (every draw is keyed, nothing is consumed).
+
+    eos_token_ids: what ``min_tokens`` bans (with each request's stop_token_ids) until it is met.
+    """
+
+    def __init__(self, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
+        self.eos_token_ids = list(eos_token_ids)
 
     def sample_ids(self, logits: torch.Tensor, params: list[SamplingParams],
-                   output_indices: list[int], choice_indices: list[int] | None = None
-                   ) -> torch.Tensor:
+                   output_indices: list[int], choice_indices: list[int] | None = None,
+                   history: list[History] | None = None) -> torch.Tensor:
         """One token id per row, as an int64 tensor [S] on logits.device (no host transfer).
 
         logits: [S, V] float32 on any device; params[i]: row i's request (a sampled one must
         carry a seed: the engine gives unseeded requests a random one at admission);
         output_indices[i]: the output position row i produces (0 = first output token);
         choice_indices[i]: which of the request's choices row i belongs to (default 0; ``n > 1``
-        gives each choice its own stream). Raises ValueError for a sampled row without a seed.
+        gives each choice its own stream); history[i]: row i's (prompt, output so far) token ids,
+        needed where a row uses a penalty or min_tokens (:mod:`engine.logits_processors`).
+        Raises ValueError for a sampled row without a seed, or a processed row without history.
         """
+        if any(sp.processed for sp in params):
+            if history is None:
+                raise ValueError("penalties and min_tokens need each row's tokens so far (history)")
+            logits = process_logits(logits, params, history, self.eos_token_ids)
         greedy = torch.argmax(logits, dim=-1)
         rows = _rows(params, output_indices, choice_indices or [0] * len(params), logits.shape[-1])
         if not rows.index:
@@ -113,6 +135,7 @@ class Sampler:
         return greedy.index_copy(0, torch.tensor(rows.index, device=logits.device), sampled)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               output_indices: list[int], choice_indices: list[int] | None = None) -> list[int]:
+               output_indices: list[int], choice_indices: list[int] | None = None,
+               history: list[History] | None = None) -> list[int]:
         """:meth:`sample_ids` as a list: the step's one device-to-host transfer."""
-        return self.sample_ids(logits, params, output_indices, choice_indices).tolist()
+        return self.sample_ids(logits, params, output_indices, choice_indices, history).tolist()

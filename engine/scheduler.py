@@ -124,9 +124,10 @@ class Scheduler:
         num_tokens - 1 tokens so the last token is computed (its logits sample the next token)
         and every block seq writes is its own (a prompt ending on a block boundary recomputes its
         last block into a fresh one). Under a sliding window the hit may start with NULL_BLOCK
-        entries, except for a CONTEXT_ONLY request: its whole block table is handed off."""
-        if not self.bm.enable_caching or seq.hash_chain is None:
-            return []
+        entries, except for a CONTEXT_ONLY request: its whole block table is handed off. None for a
+        request that wants prompt logprobs (vLLM's rule)."""
+        if not self.bm.enable_caching or seq.hash_chain is None or seq.wants_prompt_logprobs:
+            return []  # prompt logprobs need every prompt position's logits: computed, not cached
         max_blocks = (seq.num_tokens - 1) // self.bm.block_size
         window = None if seq.phase is Phase.CONTEXT_ONLY else self.sliding_window
         return self.bm.match_prefix(seq.block_hashes()[:max_blocks], seq.token_ids, window)

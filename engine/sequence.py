@@ -5,6 +5,7 @@ import time
 from enum import Enum, auto
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.logprobs import TokenLogprob
 from engine.request import EngineRequest, Phase
 from pdserve.block_hash import HashChain
 
@@ -28,6 +29,10 @@ class Sequence:
     blocks count); num_cached_tokens is the hit of the first admission (None before it).
     source_block_hashes (GENERATION_ONLY): the ctx server's names of the prompt's full blocks, which
     the KV connector matches against this engine's cache so that only missing blocks are pulled.
+
+    Logprobs: pending_logprobs runs beside pending_token_ids (sampling.logprobs set);
+    prompt_logprobs grows as prefill chunks run (entry i: prompt token i, None for i = 0), so a
+    recompute after preemption never adds entries twice.
     """
 
     def __init__(self, req: EngineRequest, detokenizer: IncrementalDetokenizer,
@@ -45,6 +50,12 @@ class Sequence:
         self.output_text = ""          # detokenized output, cut at a stop string
         self.emitted_text_len = 0
         self.pending_token_ids: list[int] = []   # produced but not yet returned to the caller
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.first_token_logprobs = list(req.first_token_logprobs or [])
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        if req.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = list(req.prompt_logprobs) if req.prompt_logprobs else [None]
+        self.prompt_logprobs_reported = False
         self.finish_reason: str | None = None
         self.parked = False
         self.arrival_s = time.monotonic()
@@ -81,6 +92,13 @@ class Sequence:
         """Hashes of the full blocks of token_ids ([] without a hash chain)."""
         return self.hash_chain.extend(self.token_ids) if self.hash_chain is not None else []
 
-    def append_token(self, token_id: int) -> None:
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.token_ids.append(token_id)
         self.pending_token_ids.append(token_id)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)

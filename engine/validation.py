@@ -17,6 +17,7 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
         raise RequestValidationError(
             f"request {req.request_id}: prompt has {p} tokens, max_model_len is {max_model_len}")
     bad = [t for t in req.prompt_token_ids + list(req.first_token_ids or [])
+           + list(req.sampling.logit_bias or {})
            if not 0 <= t < vocab_size]
     if bad:
         raise RequestValidationError(f"request {req.request_id}: token ids out of range: {bad[:5]}")

@@ -34,12 +34,17 @@ from executor.openai_adapter import (
     ChunkEncoder,
     check_length,
     engine_request,
+    Shape,
+    completion_logprobs_of,
     full_response,
     prompt_token_ids,
+    response_shape,
     sampling_params,
 )
+from executor.logprobs_format import chat_logprobs, to_wire
 from executor.phases import PhaseAnswer, PhaseError, PhaseHandler
 from pdserve import request_id
+from pdserve.api_keys import ApiKeyGuard, load_api_key
 from pdserve.asgi_guard import ErrorBoundary
 from pdserve.config import ServerConfig
 from pdserve.protocol import (
@@ -163,6 +168,7 @@ def create_server_app(state: ServerState) -> FastAPI:
     app = FastAPI(title=f"pdserve {state.config.role} server", lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app)
+    app.add_middleware(ApiKeyGuard, key=load_api_key(state.config.api_key_env))  # raises MissingApiKey
     app.add_middleware(ErrorBoundary, name=f"{state.config.role} server")
     app.add_middleware(FrontendHeader, frontend_id=state.frontend_id)  # outermost: on error bodies too
     request_id.install_log_filter(None)  # log lines written for a request start with its id
@@ -262,12 +268,14 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         else:
             prompt = prompt_token_ids(body, state.client.tokenizer, state.vocab_size)
         check_length(len(prompt), state.client.max_model_len, "messages" if chat else "prompt")
+        params = sampling_params(body)
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
-    ereq = engine_request(rid, prompt, sampling_params(body), disagg, body.cache_salt)
+    ereq = engine_request(rid, prompt, params, disagg, body.cache_salt)
     answer = PhaseAnswer()
-    run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer))
+    run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer),
+               response_shape(body, prompt, state.client.tokenizer))
     first = await run.first_unless_disconnected(request)
     if first is None:
         return Response(status_code=499)
@@ -282,8 +290,9 @@ class _Run:
     """One request in flight: its outputs, timing metrics and response shaping."""
 
     def __init__(self, state: ServerState, rtype: str, chat: bool, model: str,
-                 outputs: AsyncIterator[RequestOutput]) -> None:
+                 outputs: AsyncIterator[RequestOutput], shape: Shape | None = None) -> None:
         self.state, self.rtype, self.chat, self.model, self.outputs = state, rtype, chat, model, outputs
+        self.shape = shape or Shape()
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = now_s()
         self.t_submit = time.perf_counter()
@@ -364,7 +373,12 @@ class _Run:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.outputs.aclose()
-        body = full_response(self.chat, self.id, self.created, self.model, self.acc, answer.disaggregated_params)
+        params = answer.disaggregated_params
+        if params is not None and self.shape.logprobs is not None:  # the gen server reports them
+            params = params.model_copy(update={
+                "first_gen_logprobs": to_wire(self.acc.logprobs),
+                "prompt_logprobs": None if self.acc.prompt_logprobs is None else to_wire(self.acc.prompt_logprobs)})
+        body = full_response(self.chat, self.id, self.created, self.model, self.acc, params, self.shape)
         data = body.model_dump(mode="json")
         if answer.disaggregated_params is None:  # the extension field appears only on ctx answers
             data["choices"][0].pop("disaggregated_params", None)
@@ -376,11 +390,17 @@ class _Run:
         ``token_ids``: every output with new tokens becomes a chunk (also one whose text is held
         back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
+        shape, offset = self.shape, 0
         try:
             out, is_first = first, True
             while out is not None:
-                if out.new_text or out.finished or is_first or (token_ids and out.new_token_ids):
-                    yield enc.event(out.new_text, out.finish_reason if out.finished else None, role=is_first,
+                if (out.new_text or out.finished or is_first or (token_ids and out.new_token_ids)
+                        or (shape.logprobs is not None and out.new_logprobs)):
+                    text = (shape.echo or "") + out.new_text if is_first else out.new_text
+                    lp, offset = self._chunk_logprobs(out, is_first, offset)
+                    usage = self.acc.usage() if shape.continuous_usage else None
+                    yield enc.event(text, out.finish_reason if out.finished else None, role=is_first,
+                                    logprobs=lp, usage=usage,
                                     token_ids=list(out.new_token_ids) if token_ids else None)
                     is_first = False
                 if out.finished:
@@ -393,3 +413,12 @@ class _Run:
         finally:
             await self.outputs.aclose()
         yield SSE_DONE
+
+    def _chunk_logprobs(self, out: RequestOutput, is_first: bool, offset: int) -> tuple[dict | None, int]:
+        """The logprobs object of one streamed chunk and the completions text offset after it."""
+        if self.shape.logprobs is None:
+            return None, offset
+        entries = out.new_logprobs or []
+        if self.chat:
+            return chat_logprobs(entries, self.shape.namer), offset
+        return completion_logprobs_of(self.shape, self.acc.prompt_logprobs if is_first else None, entries, offset)

@@ -49,6 +49,7 @@ class LaneTransport:
         self._wake_push.connect("inproc://wake")
         self._wake_lock = threading.Lock()  # zmq sockets are not thread-safe; many threads wake
         self._frontend_fd = _pidfd(*frontend) if frontend else None
+        self.frontend_exited = False  # frontend 0 died without a Shutdown: nobody else cleans up after it
         self._poller = zmq.Poller()
         self._poller.register(self.ingress, zmq.POLLIN)
         self._poller.register(self._wake_pull, zmq.POLLIN)
@@ -60,6 +61,7 @@ class LaneTransport:
         events = dict(self._poller.poll(int(timeout_s * 1000)))
         if self._frontend_fd is not None and self._frontend_fd in events:
             log.error("frontend 0 exited without shutting the engine down; stopping")
+            self.frontend_exited = True
             return [Shutdown("frontend 0 exited")]
         if self._wake_pull in events:
             while self._wake_pull.poll(0):

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.request import EngineRequest, Phase, RequestOutput
 from engine.sampling_params import SamplingParams
+from executor.logprobs_format import (TokenNamer, chat_logprobs, completion_logprobs, from_wire, join_completion,
+                                      prompt_first)
 from pdserve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,9 +47,17 @@ class BadRequest(ValueError):
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """The engine's sampling parameters for an OpenAI body."""
+    """The engine's sampling parameters for an OpenAI body. Raises :class:`BadRequest` for what
+    the schema accepts but this server cannot do (``best_of`` > 1, ``min_tokens`` > ``max_tokens``)."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if not chat and body.best_of is not None and body.best_of > 1:
+        raise BadRequest("best_of > 1 is not supported (each request returns the one choice it samples)", "best_of")
+    max_tokens = body.effective_max_tokens()
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
+    k = body.logprobs_k()
     return SamplingParams(
-        max_tokens=body.effective_max_tokens(),
+        max_tokens=max_tokens,
         temperature=_temperature(body.temperature),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,
@@ -54,6 +65,14 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
         stop=list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens,
+        logit_bias=body.token_bias(),
+        logprobs=k,
+        prompt_logprobs=k if not chat and body.echo else None,
     )
 
 
@@ -110,9 +129,36 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     first = list(disagg.first_gen_tokens) if gen_only and not later else None
     cached = (disagg.cached_tokens or 0) if gen_only else 0
     hashes = [bytes.fromhex(h) for h in disagg.kv_block_hashes] if gen_only and disagg.kv_block_hashes else None
+    first_lp = from_wire(disagg.first_gen_logprobs) if gen_only else None
+    prompt_lp = from_wire(disagg.prompt_logprobs) if gen_only else None
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
                          phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached,
+                         first_token_logprobs=first_lp, prompt_logprobs=prompt_lp,
                          source_block_hashes=hashes, first_tokens_later=later)
+
+
+@dataclass
+class Shape:
+    """What a response adds besides text: ``logprobs`` (top-k per token, None = none), completions
+    ``echo`` (the prompt text to prefix, with ``prompt_ids`` for its logprobs), ``namer`` (token
+    text), ``continuous_usage`` (usage on every streamed chunk, vLLM's ``continuous_usage_stats``)."""
+
+    logprobs: int | None = None
+    echo: str | None = None
+    prompt_ids: list[int] | None = None
+    namer: TokenNamer | None = None
+    continuous_usage: bool = False
+
+
+def response_shape(body: ChatCompletionRequest | CompletionRequest, prompt: list[int], tokenizer) -> Shape:
+    """The :class:`Shape` of ``body``'s answer (``prompt``: its token ids)."""
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+    opts = body.stream_options
+    return Shape(logprobs=body.logprobs_k(), echo=echo, prompt_ids=prompt,
+                 namer=TokenNamer(tokenizer, body.return_tokens_as_token_ids),
+                 continuous_usage=bool(opts and opts.continuous_usage_stats))
 
 
 @dataclass
@@ -124,9 +170,14 @@ class Accumulated:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
+        self.logprobs += out.new_logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
@@ -139,14 +190,32 @@ class Accumulated:
 
 
 def full_response(chat: bool, rid: str, created: int, model: str, acc: Accumulated,
-                  disagg: DisaggregatedParams | None) -> ChatCompletionResponse | CompletionResponse:
+                  disagg: DisaggregatedParams | None, shape: Shape | None = None
+                  ) -> ChatCompletionResponse | CompletionResponse:
+    shape = shape or Shape()
     text = "".join(acc.text)
     if chat:
+        lp = chat_logprobs(acc.logprobs, shape.namer) if shape.logprobs is not None else None
         choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=acc.finish_reason,
-                            disaggregated_params=disagg)
+                            disaggregated_params=disagg, logprobs=lp)
         return ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
-    choice = CompletionChoice(text=text, finish_reason=acc.finish_reason, disaggregated_params=disagg)
+    lp, _ = completion_logprobs_of(shape, acc.prompt_logprobs, acc.logprobs, 0)
+    choice = CompletionChoice(text=(shape.echo or "") + text, finish_reason=acc.finish_reason,
+                              disaggregated_params=disagg, logprobs=lp)
     return CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
+
+
+def completion_logprobs_of(shape: Shape, prompt_lp: list[TokenLogprob | None] | None,
+                           output_lp: list[TokenLogprob], offset: int) -> tuple[dict | None, int]:
+    """Completions logprobs for an echoed prompt (when ``prompt_lp`` is given and echo is on) and
+    output tokens; (None, offset) without logprobs."""
+    if shape.logprobs is None:
+        return None, offset
+    if shape.echo is not None and prompt_lp is not None and shape.prompt_ids:
+        head, offset = prompt_first(prompt_lp, shape.prompt_ids, shape.namer, offset)
+        tail, offset = completion_logprobs(output_lp, shape.namer, offset)
+        return join_completion(head, tail), offset
+    return completion_logprobs(output_lp, shape.namer, offset)
 
 
 def chunk(chat: bool, rid: str, created: int, model: str, text: str | None, finish_reason: str | None,
@@ -182,13 +251,17 @@ class ChunkEncoder:
                       f'"model":{_dumps(model)},"choices":[')
 
     def event(self, text: str | None, finish_reason: str | None, role: bool = False,
+              logprobs: dict | None = None, usage: Usage | None = None,
               token_ids: list[int] | None = None) -> bytes:
-        """One content chunk (``role`` marks the first chat chunk with ``"assistant"``).
+        """One content chunk (``role`` marks the first chat chunk with ``"assistant"``; ``logprobs``:
+        the choice's logprobs object; ``usage``: continuous usage stats).
 
         ``token_ids`` (when not None) adds the extension field ``"token_ids"`` to the choice: the
         output token ids this chunk's text came from (``disaggregated_params.stream_token_ids``)."""
+        lp = "null" if logprobs is None else _dumps(logprobs)
+        use = "null" if usage is None else _dumps(usage.model_dump())
         ids = "" if token_ids is None else f'"token_ids":{_dumps(token_ids)},'
-        end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":null}}],"usage":null}}\n\n'
+        end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":{lp}}}],"usage":{use}}}\n\n'
         if self.chat:
             role_json = '"assistant"' if role else "null"
             choice = f'{{"index":0,"delta":{{"role":{role_json},"content":{_dumps(text)}}},'

@@ -67,6 +67,7 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
                layouts: list[KVLayoutModel] | None = None) -> ServerState:
     """The HTTP state of one frontend, with the role's handlers and routes added."""
     from executor.admin_routes import admin_router
+    from executor.tokenize_routes import tokenize_router
     from executor.kv_event_routes import kv_event_router
     from kv_transfer.factory import resolve_backend
 
@@ -80,6 +81,7 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
                         kv_layouts=list(layouts or [layout]))
     load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
     state.routers.append(admin_router(state))  # every frontend: /tokenizer, /admin/drain, /reset_prefix_cache
+    state.routers.append(tokenize_router(state))  # /tokenize, /detokenize, /v1/models/{id}, /version
     if client.kv_events is not None:  # every frontend: GET /kv_events (stream), /kv_events/snapshot
         state.routers.append(kv_event_router(client))
     return state

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -195,7 +196,23 @@ def main(argv: list[str] | None = None) -> int:
         transport.close()
         hs.close()
         zctx.term()
+        if transport.frontend_exited:
+            remove_orphaned_ipc_dir(ipc)
     return 0 if ok else 1
+
+
+def remove_orphaned_ipc_dir(ipc: Path) -> None:
+    """Remove the server's IPC directory (key, spec, sockets) after frontend 0 was killed.
+
+    The proxy in frontend 0 removes it on a clean stop; a SIGKILLed frontend cannot, and each
+    restart would leave one more ``/dev/shm/pdserve-*`` behind. Rank 0 is the last process that
+    uses it (followers and attached frontends stop on the same pidfd). A failure is logged, not raised.
+    """
+    try:
+        shutil.rmtree(ipc)
+        log.info("removed the IPC directory %s left by the dead frontend 0", ipc)
+    except OSError as err:
+        log.warning("could not remove the IPC directory %s: %s", ipc, err)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.api_keys import bearer_headers, is_protected, load_api_key, refusal, send_refusal
 from pdserve.asgi_guard import ErrorBoundary
 from pdserve.auth import admin_token, check_bearer
 from pdserve.config import Role, Topology
@@ -46,6 +47,7 @@ from .pools import ROLES, ClusterPools, HealthPoller
 from .prefix_admin import add_prefix_cache_routes
 from .prompt_tokens import PromptTokenizer
 from .router import Router, make_routers
+from .tokenize_proxy import add_tokenize_routes
 from .tasks import TaskOwner
 from .validation import validation_message
 
@@ -86,6 +88,10 @@ class Orchestrator:
         self.flow: DisaggFlow | None = None
         self.fleet: Fleet | None = None
         self.tokenizer: PromptTokenizer | None = None
+        # Client API key (orchestrator.api_key_env) and the key each pool's servers require; both
+        # read once here, so an exported-nowhere key fails at start (MissingApiKey), not per request.
+        self.api_key = load_api_key(self.settings.api_key_env)
+        self.upstream_auth = {role: bearer_headers(load_api_key(topology.pool(role).api_key_env)) for role in ROLES}
         # orchestrator.num_workers > 1: this process's part of the group (None: the one process).
         self.side: OwnerSide | WorkerSide | None = None
         if group is not None:
@@ -117,7 +123,8 @@ class Orchestrator:
         ctx_engine = self.topology.pool_engine("ctx")
         flow = GenerationFirstFlow if s.schedule_style == "generation_first" else DisaggFlow
         self.flow = flow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
-                         ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck)
+                         ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck,
+                         auth=self.upstream_auth)
         if self.wants_kv_events:  # every process routes, so each follows the KV events itself
             opener = httpx_opener(self.client, s.connect_timeout_s, KV_EVENTS_READ_TIMEOUT_S)
             self.kv_feeds = KVEventFeeds(self.pools, self.kv_indexes, opener, min(s.health_interval_s, 0.5))
@@ -227,6 +234,7 @@ def create_app(topology: Topology, *, transport: httpx.AsyncBaseTransport | None
     add_cluster_routes(app, orch)
     add_control_routes(app, orch)
     add_prefix_cache_routes(app, orch)  # POST /reset_prefix_cache (fans out to every server)
+    add_tokenize_routes(app, orch)      # /tokenize, /detokenize, /v1/models/{id}, /version
     return app
 
 
@@ -248,11 +256,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class OrchestratorApp(FastAPI):
-    """The FastAPI app, except that the OpenAI POST routes go straight to :func:`serve_openai`."""
+    """The FastAPI app, except that the OpenAI POST routes go straight to :func:`serve_openai`, and
+    a protected route (:func:`pdserve.api_keys.is_protected`) without the client API key is
+    answered 401 before either."""
 
     orchestrator: Orchestrator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.orchestrator.api_key
+        if key is not None and scope["type"] == "http" and is_protected(scope["path"]):
+            if (body := refusal(scope["headers"], key)) is not None:
+                self.orchestrator.metrics.errors.labels(kind="unauthorized").inc()
+                return await send_refusal(send, body)
         side = self.orchestrator.side
         if side is not None and scope["type"] == "http":  # one of K processes (K = 1 never gets here)
             send = tag_answers(send, side.spec.index)

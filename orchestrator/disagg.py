@@ -108,7 +108,8 @@ class DisaggFlow:
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
                  tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
-                 dtype: str = "", selfcheck: HitSelfCheck | None = None) -> None:
+                 dtype: str = "", selfcheck: HitSelfCheck | None = None,
+                 auth: dict[str, tuple[tuple[str, str], ...]] | None = None) -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -119,6 +120,7 @@ class DisaggFlow:
         self._block_size = block_size
         self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
         self._selfcheck = selfcheck  # predicted vs reported prefix-cache hits (None: not kept)
+        self._auth = auth or {}  # per pool: the Authorization header its servers require (pools.<role>.api_key_env)
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
         ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
@@ -310,7 +312,7 @@ class DisaggFlow:
         body.pop("stream_options", None)
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, jsonio.dumps(body),
-                                      self._settings.request_timeout_s, "ctx", ex.request_id)
+                                      self._settings.request_timeout_s, "ctx", ex.request_id, self._auth.get("ctx", ()))
         try:
             answer = parse_ctx_answer(raw)
         except ValueError:
@@ -323,7 +325,7 @@ class DisaggFlow:
         predicted = self._predict(server, ex.hint) if ex.colocated else None
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
-                                      "gen", ex.request_id)
+                                      "gen", ex.request_id, self._auth.get("gen", ()))
         try:
             answer = jsonio.loads(raw)
         except ValueError:
@@ -359,7 +361,7 @@ class DisaggFlow:
         t0 = time.monotonic()
         try:
             stream = await open_stream(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
-                                       "gen", ex.request_id)
+                                       "gen", ex.request_id, self._auth.get("gen", ()))
         except BaseException:
             server.in_flight -= 1
             raise
@@ -373,8 +375,9 @@ class DisaggFlow:
             choice.pop("disaggregated_params", None)
         if not ex.stream:
             return self._json_response(ex, answer)
-        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
-        events = answer_to_events(answer, ex.chat, include_usage)
+        opts = ex.body.get("stream_options") or {}
+        events = answer_to_events(answer, ex.chat, bool(opts.get("include_usage", False)),
+                                  bool(opts.get("continuous_usage_stats", False)))
         self._observe_done(ex)
         return EventStream(iterate(events))
 

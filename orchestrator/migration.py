@@ -124,8 +124,8 @@ class GenPhase:
 
     def _stream_fields(self) -> dict[str, Any]:
         body: dict[str, Any] = {"stream": True}
-        if self._want_usage:
-            body["stream_options"] = {"include_usage": True}
+        if self._want_usage:  # the client's other stream options (continuous_usage_stats) stay
+            body["stream_options"] = {**(self._ex.body.get("stream_options") or {}), "include_usage": True}
         return body
 
     def _gen_body(self, params: dict) -> bytes:

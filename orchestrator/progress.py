@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .relay_logprobs import LogprobsCursor, LogprobsSent
 from pdserve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -82,10 +83,17 @@ class Progress:
     usage: dict | None = None
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
+    logprobs: LogprobsSent | None = None
+    continuous_usage: bool = False
+    first_logprobs: dict | None = None
+    first_usage: dict | None = None
 
     @classmethod
     def for_body(cls, body: dict, chat: bool) -> "Progress":
-        return cls(chat=chat, stops=_stops(body))
+        opts = body.get("stream_options") or {}
+        return cls(chat=chat, stops=_stops(body),
+                   logprobs=LogprobsSent(chat=chat, echo=not chat and bool(body.get("echo"))),
+                   continuous_usage=bool(opts.get("continuous_usage_stats")))
 
     def take_ctx_answer(self, answer: dict) -> str:
         """Record the ctx server's (not final) answer; return the text the client may get now.
@@ -100,6 +108,9 @@ class Progress:
         self.cached_tokens = params.get("cached_tokens")
         usage = answer.get("usage") or {}
         self.prompt_tokens = usage.get("prompt_tokens")
+        if self.logprobs is not None:
+            self.first_logprobs = LogprobsCursor(self.logprobs).take(choice.get("logprobs"), len(self.token_ids))
+        self.first_usage = answer.get("usage")
         text = ((choice.get("message") or {}).get("content") if self.chat else choice.get("text")) or ""
         safe = text[:len(text) - held_back_len(text, self.stops)]
         self._send(safe)
@@ -115,12 +126,15 @@ class Progress:
         return "".join(self.parts)
 
     def first_chunk(self, text: str) -> dict:
-        """The chunk the client gets at once (chat: it carries ``role: assistant``)."""
+        """The chunk the client gets at once (chat: it carries ``role: assistant``), with the ctx
+        answer's logprobs and (``continuous_usage_stats``) its usage."""
         assert self.head is not None
+        usage = Usage.model_validate(self.first_usage) if self.continuous_usage and self.first_usage else None
         if self.chat:
-            return ChatCompletionChunk(**self.head, choices=[ChatChunkChoice(
-                delta=ChatDelta(role="assistant", content=text))]).model_dump(mode="json")
-        return CompletionChunk(**self.head, choices=[CompletionChunkChoice(text=text)]).model_dump(mode="json")
+            return ChatCompletionChunk(**self.head, usage=usage, choices=[ChatChunkChoice(
+                delta=ChatDelta(role="assistant", content=text), logprobs=self.first_logprobs)]).model_dump(mode="json")
+        return CompletionChunk(**self.head, usage=usage, choices=[CompletionChunkChoice(
+            text=text, logprobs=self.first_logprobs)]).model_dump(mode="json")
 
     def final_usage(self) -> dict:
         """The gen server's usage, or (its stream broke after the last token) one made here."""
@@ -133,11 +147,13 @@ class Progress:
         """The non-stream answer (OpenAI shape) assembled from what was streamed internally."""
         head = self.head or {"id": "", "created": 0, "model": ""}
         usage = Usage.model_validate(self.final_usage())
+        lp = None if self.logprobs is None else self.logprobs.answer()
         if self.chat:
-            choice = ChatChoice(message=ChatResponseMessage(content=self.text), finish_reason=self.finish_reason)
+            choice = ChatChoice(message=ChatResponseMessage(content=self.text), finish_reason=self.finish_reason,
+                                logprobs=lp)
             doc = ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(mode="json")
         else:
-            choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason)
+            choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason, logprobs=lp)
             doc = CompletionResponse(**head, choices=[choice], usage=usage).model_dump(mode="json")
         doc["choices"][0].pop("disaggregated_params", None)
         return doc
@@ -148,10 +164,11 @@ class Progress:
 
 
 class Attempt:
-    """One gen stream's view: its cumulative text length and token ids."""
+    """One gen stream's view: its cumulative text length, token ids and logprobs position."""
 
     def __init__(self, progress: Progress) -> None:
         self.p = progress
+        self.lp = None if progress.logprobs is None else LogprobsCursor(progress.logprobs)
         self.text_len = 0
         self.token_ids: list[int] = []
         self.chunks = 0
@@ -160,7 +177,9 @@ class Attempt:
         """Merge one parsed gen chunk; return the chunk for the client, or None (nothing new).
 
         The returned chunk is ``event`` itself, rewritten: the request's id and created time,
-        ``token_ids`` removed, the text cut to what the client does not have yet."""
+        ``token_ids`` removed, the text cut to what the client does not have yet, the logprobs to
+        the positions it lacks (:mod:`orchestrator.relay_logprobs`); per-chunk ``usage``
+        (continuous_usage_stats) is kept. Raises ValueError on a malformed logprobs object."""
         self.chunks += 1
         if self.p.head is None:
             self.p.head = {k: event.get(k) for k in ("id", "created", "model")}
@@ -174,20 +193,32 @@ class Attempt:
             event["usage"] = self.p.usage
             return event
         choice = choices[0]
-        self._take_ids(choice.pop(TOKEN_IDS_FIELD, None))
+        ids = choice.pop(TOKEN_IDS_FIELD, None)
+        self._take_ids(ids)
+        lp = self._logprobs(choice, ids)
+        if event.get("usage"):
+            event["usage"] = self._usage(event["usage"])
         delta = choice.get("delta") if self.p.chat else None
         piece = ((delta or {}).get("content") if self.p.chat else choice.get("text")) or ""
         new = self._unsent(piece)
         finish = choice.get("finish_reason")
         if finish is not None:
             self.p.finish_reason = finish
-        if not new and finish is None:
+        if not new and finish is None and not _has_items(lp):
             return None
         if self.p.chat:
             choice["delta"] = {**(delta or {}), "role": None, "content": new}
         else:
             choice["text"] = new
         return event
+
+    def _logprobs(self, choice: dict, ids: object) -> dict | None:
+        """The chunk's logprobs cut to the positions the client lacks (set on ``choice``)."""
+        if self.lp is None:
+            return None
+        n_ids = len(ids) if isinstance(ids, list) else None
+        choice["logprobs"] = self.lp.take(choice.get("logprobs"), n_ids)
+        return choice["logprobs"]
 
     def _usage(self, usage: dict) -> dict:
         if self.p.cached_tokens is not None:  # the first ctx server's hit, not a re-prefill's
@@ -210,3 +241,8 @@ class Attempt:
         new = piece[max(self.p.sent_len - before, 0):]
         self.p._send(new)
         return new
+
+
+def _has_items(lp: dict | None) -> bool:
+    """Whether a logprobs object (either shape) holds any entry."""
+    return bool(lp) and bool(lp.get("content") or lp.get("tokens"))

@@ -159,7 +159,10 @@ class GenRelay:
             code = info.get("code")
             dead = info.get("type") in _DEATH_TYPES or (isinstance(code, int) and code >= 500)
             return Broken(f"generation stream from {url} failed: {info.get('message', event['error'])}", dead)
-        out = attempt.absorb(event)
+        try:
+            out = attempt.absorb(event)
+        except ValueError as err:
+            return Broken(f"generation stream from {url} sent a bad chunk: {err}", migratable=False)
         if out is not None and emit is not None:
             await emit(b"data: " + jsonio.dumps(out) + b"\n\n")
             self._sent()

@@ -19,23 +19,27 @@ from pdserve.protocol import (
 )
 
 
-def answer_to_events(answer: dict, chat: bool, include_usage: bool) -> list[bytes]:
-    """Convert a final non-stream answer (one choice) to SSE events ending with ``[DONE]``."""
+def answer_to_events(answer: dict, chat: bool, include_usage: bool, continuous_usage: bool = False) -> list[bytes]:
+    """Convert a final non-stream answer (one choice) to SSE events ending with ``[DONE]``; the
+    choice's ``logprobs`` ride on its content chunk, ``continuous_usage`` puts usage on every chunk."""
     choice = answer["choices"][0]
     head = {"id": answer.get("id", ""), "created": int(answer.get("created", 0)), "model": answer.get("model", "")}
-    usage = Usage.model_validate(answer["usage"]) if include_usage and answer.get("usage") else None
-    finish = choice.get("finish_reason")
+    full = Usage.model_validate(answer["usage"]) if answer.get("usage") else None
+    usage = full if include_usage else None
+    each = full if continuous_usage else None
+    finish, logprobs = choice.get("finish_reason"), choice.get("logprobs")
     if chat:
         text = (choice.get("message") or {}).get("content") or ""
         chunks = [
-            ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=text))]),
-            ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason=finish)]),
+            ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(
+                delta=ChatDelta(role="assistant", content=text), logprobs=logprobs)]),
+            ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason=finish)]),
         ]
         if usage is not None:
             chunks.append(ChatCompletionChunk(**head, choices=[], usage=usage))
     else:
-        chunks = [CompletionChunk(**head, choices=[CompletionChunkChoice(text=choice.get("text") or "",
-                                                                         finish_reason=finish)])]
+        chunks = [CompletionChunk(**head, usage=each, choices=[CompletionChunkChoice(
+            text=choice.get("text") or "", finish_reason=finish, logprobs=logprobs)])]
         if usage is not None:
             chunks.append(CompletionChunk(**head, choices=[], usage=usage))
     return [sse_event(c) for c in chunks] + [SSE_DONE]

@@ -64,13 +64,14 @@ def check_status(status: int, raw: bytes, phase: str) -> None:
                         error_type=info.get("type"))
 
 
-def request_headers(request_id: str | None) -> tuple[tuple[str, str], ...]:
-    """Headers every upstream request carries: the client's request id, when there is one."""
-    return (("X-Request-Id", request_id),) if request_id else ()
+def request_headers(request_id: str | None, auth: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+    """Headers every upstream request carries: the client's request id, when there is one, and
+    ``auth`` (the pool's ``Authorization`` header when its servers require an API key)."""
+    return ((("X-Request-Id", request_id),) if request_id else ()) + auth
 
 
 async def post_json_raw(client: H1Client, server: Server, path: str, body: bytes, timeout_s: float, phase: str,
-                        request_id: str | None = None) -> bytes:
+                        request_id: str | None = None, auth: tuple[tuple[str, str], ...] = ()) -> bytes:
     """POST JSON ``body`` and return the raw 2xx answer; the whole exchange is bounded by ``timeout_s``.
 
     Raises:
@@ -80,7 +81,7 @@ async def post_json_raw(client: H1Client, server: Server, path: str, body: bytes
     resp: Response | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await client.post(server.url, path, body, request_headers(request_id))
+            resp = await client.post(server.url, path, body, request_headers(request_id, auth))
             raw = await resp.read()
     except TimeoutError:
         raise AttemptFailed(f"no answer within {timeout_s:g} s") from None
@@ -118,7 +119,7 @@ class OpenStream:
 
 
 async def open_stream(client: H1Client, server: Server, path: str, body: bytes, timeout_s: float, phase: str,
-                      request_id: str | None = None) -> OpenStream:
+                      request_id: str | None = None, auth: tuple[tuple[str, str], ...] = ()) -> OpenStream:
     """POST a streaming request and wait (at most ``timeout_s`` s) for its first body chunk.
 
     Nothing has reached the client yet when this raises, so the caller may retry elsewhere.
@@ -130,7 +131,7 @@ async def open_stream(client: H1Client, server: Server, path: str, body: bytes, 
     resp: Response | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await client.post(server.url, path, body, request_headers(request_id))
+            resp = await client.post(server.url, path, body, request_headers(request_id, auth))
             if not 200 <= resp.status < 300:
                 check_status(resp.status, await resp.read(), phase)
             first = b""

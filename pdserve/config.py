@@ -150,6 +150,9 @@ class PoolSettings(StrictModel):
     min_instances: int = Field(1, ge=0, description="/health of the orchestrator is 503 until this many servers are ready; scaling never goes below")
     max_instances: int = Field(16, ge=1, description="scaling never goes above")
     max_restarts: int = Field(3, ge=0, description="a launched server that dies is restarted this many times")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="environment variable holding the API key this pool's servers require on "
+                                    "their OpenAI routes (the orchestrator sends it); unset = no key")
 
     @model_validator(mode="after")
     def _bounds(self) -> "PoolSettings":
@@ -199,6 +202,9 @@ class OrchestratorSettings(StrictModel):
     session_affinity: Literal["none", "header", "user"] = Field(
         "none", description="keep a session on one server per pool: key from the `session_header` header or the body's `user` field")
     session_header: str = Field("X-Session-Id", pattern=r"^[A-Za-z0-9-]+$", description="header naming the session (session_affinity: header)")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="environment variable holding the API key clients must send "
+                                    "(Authorization: Bearer) on the OpenAI routes; unset = open")
     num_workers: int = Field(1, ge=1, le=64, description="orchestrator processes on the public port, each with its own SO_REUSEPORT socket; process 0 owns membership, health polls, the launcher and scaling (1 = one process, no extra hop)")
     worker_feed_interval_s: float = Field(0.1, gt=0, le=5.0, description="num_workers > 1: how often each non-owner process reports its in-flight counts to the owner and gets the membership and load view back")
     worker_max_restarts: int = Field(5, ge=0, description="num_workers > 1: restarts of a dead non-owner process per slot before its slot stays empty")
@@ -241,6 +247,7 @@ class ServerConfig(StrictModel):
     kv_port: int
     orchestrator_url: str = Field("", description="where the server registers ('' = do not register)")
     admin_token_env: str = "PDSERVE_ADMIN_TOKEN"
+    api_key_env: str | None = Field(None, description="pools.<role>.api_key_env: the key its OpenAI routes require")
     heartbeat_ttl_s: float = 10.0
 
     def with_resolved_device(self, num_cuda_devices: int) -> "ServerConfig":
@@ -338,6 +345,7 @@ class Topology(StrictModel):
                             kv_transfer=self.kv_transfer, host=host or spec.host,
                             port=spec.port if port is None else port, kv_port=spec.kv_port,
                             orchestrator_url=self.orchestrator_url, admin_token_env=self.orchestrator.admin_token_env,
+                            api_key_env=pool.api_key_env,
                             heartbeat_ttl_s=self.orchestrator.heartbeat_ttl_s)
 
     def server_url(self, role: Role, index: int) -> str:

@@ -91,6 +91,10 @@ class DisaggregatedParams(BaseModel):
     cached_tokens: Count | None = Field(None, description="ctx answer: prompt tokens its prefix cache held")
     kv_block_hashes: list[BlockHashHex] | None = Field(
         None, description="ctx answer: hashes of the prompt's full KV blocks, in order (partial pulls)")
+    first_gen_logprobs: list["TokenLogprobModel"] | None = Field(
+        None, description="ctx answer: logprobs of first_gen_tokens (the request asked for logprobs)")
+    prompt_logprobs: list["TokenLogprobModel | None"] | None = Field(
+        None, description="ctx answer: prompt logprobs (echo with logprobs); None for the first prompt token")
     stream_token_ids: StrictBool | None = Field(
         None, description="request side: a streamed answer carries each chunk's new output token ids in "
                           "`choices[0].token_ids` (the orchestrator strips them; it keeps them to migrate a stream)")
@@ -137,13 +141,36 @@ class DisaggregatedParams(BaseModel):
                              f"{len(self.prompt_token_ids or [])} prompt tokens")
 
 
+class TokenLogprobModel(BaseModel):
+    """One position's logprobs on the ctx → gen wire: the token, its logprob and the top
+    ``(token id, logprob)`` pairs (what :class:`engine.logprobs.TokenLogprob` holds)."""
+
+    model_config = ConfigDict(extra="forbid")
+    token_id: TokenIdLax
+    logprob: float
+    top: list[tuple[TokenIdLax, float]] = Field(default_factory=list, max_length=20)
+
+
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with usage; ``continuous_usage_stats`` (vLLM's): usage on
+    every chunk; ``include_obfuscation`` (OpenAI's) is accepted and changes nothing here."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+    include_obfuscation: StrictBool | None = None
+
+
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's chat limit, vLLM's default max_logprobs)
 
 
 class _SamplingFields(BaseModel):
-    """Fields common to both endpoints. Unsupported features are accepted only at their defaults."""
+    """Fields common to both endpoints. Unsupported features are accepted only at their defaults.
+
+    Accepted and ignored (they change nothing a server computes): ``user`` (but see
+    ``orchestrator.session_affinity``), ``metadata``, ``store``, ``parallel_tool_calls``,
+    ``service_tier``, ``safety_identifier``, ``prompt_cache_key``. Any other unknown field is a 422.
+    """
 
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -157,10 +184,20 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     ignore_eos: StrictBool = False
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=1e6, description="vLLM's field; 1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM's field; 0 = off")
+    min_tokens: Count = Field(0, description="vLLM's field: no EOS / stop before this many output tokens")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=300)
+    return_tokens_as_token_ids: StrictBool = Field(False, description="vLLM's field: logprob tokens as 'token_id:N'")
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    parallel_tool_calls: StrictBool | None = None
+    service_tier: str | None = Field(None, max_length=64)
+    safety_identifier: str | None = Field(None, max_length=512)
+    prompt_cache_key: str | None = Field(None, max_length=4096)
     cache_salt: str | None = Field(None, min_length=1, max_length=4096, description="vLLM's field: requests with different "
                                    "salts never share prefix-cache blocks (e.g. one salt per tenant)")
     disaggregated_params: DisaggregatedParams | None = None
@@ -177,10 +214,15 @@ class _SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _bias_keys_are_token_ids(cls, v: dict | None) -> dict | None:
+        for key in v or {}:
+            if not key.isdigit() or int(key) > 2**31 - 1:
+                raise ValueError(f"logit_bias keys are token ids (decimal strings), got {key[:20]!r}")
+        return v
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by int token id (None when empty)."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
 
 class ChatMessage(BaseModel):
@@ -205,15 +247,19 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    logprobs: StrictBool = Field(False, description="not supported: only false")
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_k(self) -> int | None:
+        """Top alternatives per token, or None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -222,10 +268,10 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
-    echo: StrictBool = Field(False, description="not supported: only false")
-    logprobs: int | None = Field(None, description="not supported")
+    echo: StrictBool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=INT64_MAX, description="only 1 (400 otherwise)")
 
     @field_validator("prompt")
     @classmethod
@@ -240,13 +286,12 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -278,7 +323,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
     disaggregated_params: DisaggregatedParams | None = None
 
 
@@ -300,7 +345,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {content: [{token, logprob, bytes, top_logprobs}], refusal}
     disaggregated_params: DisaggregatedParams | None = None
 
 
@@ -322,7 +367,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -338,7 +383,7 @@ class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -363,6 +408,54 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with text (vLLM's shape): ``add_special_tokens`` defaults to true as in
+    vLLM; ``return_token_strs`` adds each token's vocabulary string."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with chat messages, rendered by the model's chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(BaseModel):
+    """``count`` = len(``tokens``); ``max_model_len``: the server's context window (tokens)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): token ids → text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    """``GET /version``: the pdserve distribution's version."""
+
+    version: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -376,7 +469,7 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+def error_body(message: str, type_: str, code: int | str, param: str | None = None) -> dict:
     """The JSON body of an OpenAI-style error (``type_`` e.g. ``invalid_request_error``)."""
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
 
@@ -393,3 +486,6 @@ def sse_event(payload: BaseModel | dict) -> bytes:
     else:
         data = json.dumps(payload)
     return f"data: {data}\n\n".encode()
+
+
+DisaggregatedParams.model_rebuild()

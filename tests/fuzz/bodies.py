@@ -268,8 +268,9 @@ def out_of_range(g: Gen):
     path, body = g.base()
     key, value = g.pick([("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1),
                          ("max_tokens", 0), ("max_tokens", -1), ("n", 2), ("n", 0), ("top_k", -2),
-                         ("presence_penalty", 1.0), ("frequency_penalty", -2), ("stop", [""]), ("stop", [f"s{i}" for i in range(17)]),
-                         ("stop", ""), ("logit_bias", {"5": 1}), ("stop_token_ids", [-1]), ("seed", 2**63)])
+                         ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("stop", [""]), ("stop", [f"s{i}" for i in range(17)]),
+                         ("stop", ""), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("min_p", 1.5),
+                         ("repetition_penalty", 0), ("top_logprobs", 21), ("stop_token_ids", [-1]), ("seed", 2**63)])
     return path, dumps({**body, key: value}), REJECT, f"{key}={json.dumps(value)[:40]}"
 
 
@@ -342,6 +343,11 @@ def valid_unusual(g: Gen):
         (CHAT, dumps(chat_body(m, max_completion_tokens=1, n=1, presence_penalty=0.0, frequency_penalty=0,
                                logit_bias={}, user="fuzz", logprobs=False))),
         (CHAT, dumps(chat_body(m, stream=True, stream_options={"include_usage": True}))),
+        (CHAT, dumps(chat_body(m, logprobs=True, top_logprobs=2, presence_penalty=0.5, frequency_penalty=-0.5,
+                               metadata={"a": "b"}, store=False, service_tier="auto", min_p=0.1))),
+        (COMPLETIONS, dumps(completion_body(m, [5, 6, 7], echo=True, logprobs=1, min_tokens=1, repetition_penalty=1.1,
+                                            logit_bias={"5": -1}, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))),
         (CHAT, dumps(chat_body(m, stop="\n", stop_token_ids=[], seed=-(2**63), top_k=-1, top_p=1))),
         (CHAT, dumps(chat_body(m, seed=2**63 - 1, temperature=0.7, top_k=2**40, ignore_eos=True))),
         (CHAT, dumps({**chat_body(m), "messages": [{"role": "system", "content": "Be brief."},

@@ -32,6 +32,16 @@ def tiny_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
 
 
 @pytest.fixture(scope="module")
+def threaded_cluster(tiny_model_dir, tmp_path_factory):
+    """1 ctx + 1 gen + orchestrator in this process (inproc engines, real sockets): see threaded_cluster.py."""
+    from tests.integration.threaded_cluster import ThreadedCluster
+
+    cluster = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("threaded"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
 def genfirst_url(tiny_cluster, procs, tmp_path_factory) -> str:
     """A second orchestrator over ``tiny_cluster``'s servers with ``schedule_style: generation_first``
     (the same servers, so both styles are compared on the same engines)."""

@@ -214,6 +214,8 @@ def test_kill_9_of_frontend_0_takes_ranks_and_attached_frontends_down(four_front
     ranks = [r["pid"] for r in httpx.get(four_frontends + "/server_info", timeout=10).json()["ranks"]]
     attached = _frontend_children(frontend0)
     assert ranks and len(attached) == 3
+    ipc_dir = _ipc_dir_of(ranks[0])
+    assert os.path.isdir(ipc_dir)
     os.kill(frontend0, signal.SIGKILL)
     procs.procs["gen-k4"].wait(10)
 
@@ -229,3 +231,13 @@ def test_kill_9_of_frontend_0_takes_ranks_and_attached_frontends_down(four_front
     while time.monotonic() < deadline and any(alive(p) for p in ranks + attached):
         time.sleep(0.1)
     assert not any(alive(p) for p in ranks + attached), [p for p in ranks + attached if alive(p)]
+    # Rank 0 removed the IPC directory the killed proxy could not (no /dev/shm leak per restart).
+    assert not os.path.exists(ipc_dir), sorted(os.listdir(ipc_dir))
+
+
+def _ipc_dir_of(rank_pid: int) -> str:
+    """The ``--ipc-dir`` a worker rank was started with (from its command line)."""
+    from pathlib import Path
+
+    argv = Path(f"/proc/{rank_pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--ipc-dir") + 1].decode()
