@@ -7,7 +7,7 @@ from engine import (EngineConfig, EngineRequest, Phase, RequestValidationError, 
 from engine.model_files import resolve_model_path
 
 
-@pytest.mark.parametrize("kw", [dict(dtype="float16"), dict(dtype="auto"), dict(block_size=0),
+@pytest.mark.parametrize("kw", [dict(dtype="float64"), dict(dtype="auto"), dict(block_size=0),
                                 dict(num_kv_blocks=-1), dict(max_batch_size=0),
                                 dict(max_num_tokens=0), dict(max_model_len=1),
                                 dict(num_threads=0), dict(model="")])
