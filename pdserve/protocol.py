@@ -212,6 +212,13 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop takes at most 16 non-empty strings")
         return stops
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        # OpenAI and vLLM refuse stream_options on a non-streaming request rather than ignore them.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_token_ids(cls, v: dict | None) -> dict | None:

@@ -85,3 +85,13 @@ def test_importing_the_app_does_not_import_torch():
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=repo)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_stream_options_without_stream_is_refused(cluster):
+    """OpenAI and vLLM refuse ``stream_options`` on a non-streaming request; so do we (before any server)."""
+    body = {**CHAT, "stream_options": {"include_usage": True}}
+    err = assert_openai_error(httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=5), 422)
+    assert "stream_options" in err["message"]
+    assert cluster.ctx[0].record.bodies == []
+    ok = httpx.post(cluster.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=5)
+    assert ok.status_code == 200
