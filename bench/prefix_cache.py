@@ -144,12 +144,11 @@ prompt tokens from `usage`. Failed requests: on {failed['on']}, off {failed['off
 
 **Reading:** turn-{a.turns} / turn-1 TTFT p50 = {ratio['on']:.2f}× with caching, {ratio['off']:.2f}× without
 ({verdict}; per repeat: on {', '.join(f"{turn_p50(r, a.turns) / turn_p50(r, 1):.2f}" for r in runs['on'])}, off
-{', '.join(f"{turn_p50(r, a.turns) / turn_p50(r, 1):.2f}" for r in runs['off'])}). With caching a later turn still
-computes more than turn 1 ("computed tokens" = prompt − cached): the ctx server holds the previous
-turn's *prompt*, but the previous *answer* was decoded on the gen server, so the ctx server computes
-it again, with the new message and the previous prompt's last partial block, and attends over the
-whole history. Pulling those blocks from the gen server, or running a turn whose uncached part is
-short colocated on the gen server that holds them, is issue 10 part 3 (not built yet).
+{', '.join(f"{turn_p50(r, a.turns) / turn_p50(r, 1):.2f}" for r in runs['off'])}). "Computed
+tokens" = prompt − cached on the ctx server: it holds the previous turn's *prompt*, but the previous
+*answer* was decoded on the gen server, so the ctx server computes it again with the new message (the
+gen server then pulls only the blocks it lacks: partial pulls). A ctx server pulling the decoded
+blocks back from the gen server is not built.
 """
 
 
