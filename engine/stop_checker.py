@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from engine.sequence import Sequence
+from pdserve.stop_text import held_back_len
+
+__all__ = ["find_stop_string", "held_back_len", "token_finish_reason"]
 
 
 def token_finish_reason(seq: Sequence, token_id: int, eos_token_ids: frozenset[int],
@@ -21,14 +24,3 @@ def find_stop_string(text: str, stops: list[str], start: int) -> int | None:
     """Smallest index >= start (per stop, searched from start) where a stop string begins."""
     hits = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
-
-
-def held_back_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

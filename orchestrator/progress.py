@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .relay_logprobs import LogprobsCursor, LogprobsSent
+from pdserve.stop_text import held_back_len
 from pdserve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -39,20 +40,6 @@ from pdserve.protocol import (
 log = logging.getLogger("orchestrator.progress")
 
 TOKEN_IDS_FIELD = "token_ids"  # the gen stream's extension field (see module docstring)
-
-
-def held_back_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
-
-    The engine's own rule (``engine.stop_checker``): such a tail may still become a stop string,
-    so it is not sent until the next token decides."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
 
 
 def _stops(body: dict) -> list[str]:
