@@ -77,7 +77,9 @@ def _ctx_process(device: str, num_blocks: int, conn) -> None:
     for i in range(8):  # one lease per timed pull
         leases.park(f"l{i}", list(range(num_blocks)), num_tokens=16 * num_blocks, ttl_s=120)
     conn.send((server.endpoint, cache[:4].sum().item()))
-    conn.recv()  # the parent is done
+    # Until the parent is done (it says so, or its end of the pipe closes), at most 10 minutes.
+    if conn.poll(600):
+        conn.recv()
     server.stop()
     leases.stop()
 

@@ -140,6 +140,8 @@ def _die_with_owner() -> None:  # pragma: no cover - runs in the child between f
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
+        # No logging is safe between fork and exec; without the death signal the worker still
+        # exits when its start-up check finds the owner is no longer its parent.
         pass
 
 
