@@ -68,7 +68,9 @@ class KVConnector:
         """
         hit = self._reusable_prefix(seq)
         # generation_first (first_tokens_later): room for one first token, not yet sampled by the ctx server
-        need = self.bm.blocks_needed(seq.num_tokens + max(len(seq.first_token_ids), 1)) - len(hit)
+        # n > 1: first_token_ids holds one token per choice; each choice forks after the pull
+        first = 1 if seq.n > 1 else max(len(seq.first_token_ids), 1)
+        need = self.bm.blocks_needed(seq.num_tokens + first) - len(hit)
         if not self.bm.can_allocate(need, sharing=hit):
             return None
         seq.block_ids = self.bm.share(hit) + self.bm.allocate(need)
@@ -95,9 +97,10 @@ class KVConnector:
     # ---- parking (ctx) --------------------------------------------------------------------
     def request_finished(self, seq: Sequence) -> bool:
         """seq finished: True when its blocks must outlive it (a CONTEXT_ONLY hand-off, parked until
-        :meth:`release`); False: the scheduler frees them now."""
+        :meth:`release`: one that goes on, or whose other choices do, ``seq.keep_blocks``); False:
+        the scheduler frees them now."""
         self.loading.pop(seq.request_id, None)
-        if seq.phase is not Phase.CONTEXT_ONLY or seq.finish_reason is not None:
+        if seq.phase is not Phase.CONTEXT_ONLY or (seq.finish_reason is not None and not seq.keep_blocks):
             return False
         seq.parked = True
         self.parked[seq.request_id] = seq.block_ids

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from engine.block_manager import BlockManager
+from engine.choices import Families, fork
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
@@ -24,7 +25,7 @@ from engine.output_processor import OutputProcessor
 from engine.request import EngineRequest, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import SeqStatus, Sequence
 from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
                        broadcast_message)
@@ -87,7 +88,10 @@ class LLMEngine:
                                    make_connector(config.kv_connector, self.block_manager),
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
-        self._to_emit: dict[str, Sequence] = {}
+        self._to_emit: dict[tuple[str, int], Sequence] = {}  # (request id, choice index) -> sequence
+        self.prefill_tokens = 0  # prompt tokens computed (not cached, not pulled); a recompute counts again
+        self.families = Families()  # n > 1 requests after their fork (engine.choices)
+        self._pending_copies: list[tuple[int, int]] = []  # fork block copies the TP followers still owe
         if self.tp.enabled:
             barrier(self.tp)
             self._plans = PlanBroadcaster(self.tp)
@@ -107,8 +111,11 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
-        included), ``total_blocks``, :meth:`memory_stats`, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
+        included), ``total_blocks``, ``prefill_tokens`` (prompt tokens this engine computed: neither
+        cached nor pulled; a recompute after preemption counts again), :meth:`memory_stats`,
+        :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
+                "prefill_tokens": self.prefill_tokens,
                 **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
 
     def memory_stats(self) -> dict[str, int]:
@@ -138,7 +145,7 @@ class LLMEngine:
 
         A request without a seed gets a random 63-bit one here: sampling is always keyed by
         (seed, choice, position), see engine.sampler."""
-        if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None:
+        if self._in_use(req.request_id):
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         validate_request(req, self.max_model_len, self.model_config.vocab_size)
         if req.phase is not Phase.CONTEXT_AND_GENERATION and self.scheduler.connector is None:
@@ -151,14 +158,18 @@ class LLMEngine:
         chain = self.hasher.chain(req.cache_salt) if self.config.enable_prefix_caching else None
         self.scheduler.add(Sequence(req, detok, chain))
 
+    def _in_use(self, request_id: str) -> bool:
+        return (request_id in self.families or self.scheduler.find(request_id) is not None
+                or any(rid == request_id for rid, _ in self._to_emit))
+
     def abort_request(self, request_id: str) -> None:
-        """Free the request's blocks; the next step() reports it finished with "abort"."""
+        """Free the request's blocks (every choice's); the next step() reports it finished with "abort"."""
         if self.scheduler.release_parked(request_id):
             return
+        family = self.families.members(request_id)
         seq = self.scheduler.find(request_id)
-        if seq is None:
-            return
-        self._finish(seq, "abort")
+        for s in [m for m in family if not m.finished] if family else [seq] if seq is not None else []:
+            self._finish(s, "abort")
 
     def kv_ready(self, request_id: str, ok: bool, first_token_ids: list[int] | None = None,
                  num_cached_tokens: int | None = None) -> None:
@@ -181,12 +192,16 @@ class LLMEngine:
             seq.num_cached_tokens = num_cached_tokens
         self.scheduler.kv_arrived(request_id)
         logprobs = seq.first_token_logprobs if seq.sampling.logprobs is not None else []
-        for i, token in enumerate(seq.first_token_ids):
-            reason = self.output_processor.add_token(seq, token, logprobs[i] if i < len(logprobs) else None)
+        picks = [(t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(seq.first_token_ids)]
+        if seq.n > 1:  # one first token per choice (the ctx server sampled them): fork now
+            self._fork(seq, picks)
+            return
+        for token, logprob in picks:
+            reason = self.output_processor.add_token(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)
                 return
-        self._to_emit[request_id] = seq
+        self._to_emit[(request_id, seq.index)] = seq
 
     def release_parked(self, request_id: str) -> bool:
         """Free a CONTEXT_ONLY request's handed-off blocks. False if it holds none."""
@@ -210,16 +225,21 @@ class LLMEngine:
         has_extra = extra is not None
         if batch.items:
             plan, seqs, spans = self.runner.plan(batch.items)
+            plan.copies, self._pending_copies = self._pending_copies, []
             with self._tp_unit():
                 self._broadcast(TPMessage(RUN, plan, extra, has_extra))
                 logits = self.runner.forward(plan)
             self.runner.record_prompt_logprobs(spans, logits[len(seqs):])
             sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
             for seq, k in batch.items:
+                self.prefill_tokens += max(0, min(seq.num_computed + k, seq.num_prompt_tokens) - seq.num_computed)
                 seq.num_computed += k
                 self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
-                if seq.request_id in sampled:
-                    self._apply_token(seq, *sampled[seq.request_id])
+                picks = sampled.get((seq.request_id, seq.index))
+                if picks is not None and len(picks) > 1:
+                    self._fork(seq, picks)
+                elif picks is not None:
+                    self._apply_token(seq, *picks[0])
         elif has_extra:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         outputs = self._drain_outputs()
@@ -261,6 +281,7 @@ class LLMEngine:
             if msg.has_extra and on_extra is not None:
                 on_extra(msg.extra)
             if msg.kind == RUN:
+                self.runner.copy_blocks(msg.plan.copies)  # forks' copy-on-write blocks (rank 0 copied at the fork)
                 self.runner.forward(msg.plan, compute_logits=False)
 
     def _require_driver(self) -> None:
@@ -280,9 +301,41 @@ class LLMEngine:
             raise RuntimeError("TP followers were stopped (stop_followers)")
         return self._plans
 
+    def _fork(self, seq: Sequence, picks: list) -> None:
+        """seq (n > 1) computed its prompt: split it into its choices (engine.choices) and give choice
+        i its first token picks[i] = (token, logprob). The fork copies blocks before any choice can
+        finish (and free the blocks it copies from)."""
+        ctx = seq.phase is Phase.CONTEXT_ONLY
+        family = fork(seq, self.block_manager, self._copy_block,
+                      lambda: IncrementalDetokenizer(self.tokenizer), with_blocks=not ctx)
+        self.families.add(family)
+        if ctx:
+            self._ctx_choices(family, picks)
+            return
+        for member in family[1:]:
+            self.scheduler.adopt(member)
+        for member, (token, logprob) in zip(family, picks):
+            self._apply_token(member, token, logprob)
+
+    def _ctx_choices(self, family: list[Sequence], picks: list) -> None:
+        """CONTEXT_ONLY: each choice ends with its first token; choice 0's blocks are parked if any
+        choice goes on (the gen server forks them again)."""
+        reasons = [self.output_processor.add_token(m, t, lp) for m, (t, lp) in zip(family, picks)]
+        family[0].keep_blocks = any(r is None for r in reasons)
+        for member, reason in zip(family[1:], reasons[1:]):
+            member.finish_reason, member.status = reason, SeqStatus.FINISHED  # no blocks, never scheduled
+            self._to_emit[(member.request_id, member.index)] = member
+        self._finish(family[0], reasons[0])
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """A fork's copy-on-write block: copied here now, and by each TP follower before its next step."""
+        self.runner.copy_blocks([(src, dst)])
+        if self.tp.enabled:
+            self._pending_copies.append((src, dst))
+
     def _apply_token(self, seq: Sequence, token: int, logprob=None) -> None:
         reason = self.output_processor.add_token(seq, token, logprob)
-        self._to_emit[seq.request_id] = seq
+        self._to_emit[(seq.request_id, seq.index)] = seq
         if reason is not None:
             self._finish(seq, reason)
         elif seq.phase is Phase.CONTEXT_ONLY:
@@ -291,7 +344,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self._to_emit[seq.request_id] = seq
+        self._to_emit[(seq.request_id, seq.index)] = seq
 
     def _drain_outputs(self) -> list[RequestOutput]:
         outputs = []
@@ -299,5 +352,5 @@ class LLMEngine:
             parked = list(seq.block_ids) if seq.parked else None
             outputs.append(self.output_processor.take_output(seq, parked))
         self._to_emit.clear()
-        return outputs
+        return self.families.settle(outputs)
 

@@ -29,8 +29,8 @@ from executor.disconnect import unless_client_leaves
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.metrics import ServerMetrics
 from executor.openai_adapter import (
-    Accumulated,
     BadRequest,
+    Choices,
     ChunkEncoder,
     check_length,
     engine_request,
@@ -272,7 +272,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
-    ereq = engine_request(rid, prompt, params, disagg, body.cache_salt)
+    ereq = engine_request(rid, prompt, params, disagg, body.cache_salt, body.n)
     answer = PhaseAnswer()
     run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer),
                response_shape(body, prompt, state.client.tokenizer))
@@ -297,7 +297,7 @@ class _Run:
         self.created = now_s()
         self.t_submit = time.perf_counter()
         self.t_last: float | None = None
-        self.acc = Accumulated()
+        self.choices = Choices()  # n > 1: one running total per choice index
 
     async def next(self) -> RequestOutput | None:
         """The next output, None at the end. Errors are mapped to :class:`ApiError`."""
@@ -329,12 +329,12 @@ class _Run:
             else:
                 m.tpot.labels(request_type=self.rtype).observe((now - self.t_last) / len(out.new_token_ids))
             self.t_last = now
-        self.acc.add(out)
+        self.choices.add(out)
         if out.finished:
             m.e2e.labels(request_type=self.rtype).observe(now - self.t_submit)
             m.requests.labels(request_type=self.rtype, outcome=out.finish_reason or "handed_off").inc()
             m.prompt_tokens.inc(out.num_prompt_tokens)
-            m.generation_tokens.inc(out.num_output_tokens)
+            m.generation_tokens.inc(sum(a.num_output_tokens for a in self.choices.ordered()))
 
     async def first_unless_disconnected(self, request: Request) -> RequestOutput | None:
         """The first output, or None (request aborted) if the client left before it came — on a ctx
@@ -375,13 +375,19 @@ class _Run:
             await self.outputs.aclose()
         params = answer.disaggregated_params
         if params is not None and self.shape.logprobs is not None:  # the gen server reports them
+            accs = self.choices.ordered()  # n > 1: one first token (and its logprobs) per choice, in order
+            prompt_lp = accs[0].prompt_logprobs
             params = params.model_copy(update={
-                "first_gen_logprobs": to_wire(self.acc.logprobs),
-                "prompt_logprobs": None if self.acc.prompt_logprobs is None else to_wire(self.acc.prompt_logprobs)})
-        body = full_response(self.chat, self.id, self.created, self.model, self.acc, params, self.shape)
+                "first_gen_logprobs": to_wire([lp for a in accs for lp in a.logprobs]),
+                "prompt_logprobs": None if prompt_lp is None else to_wire(prompt_lp)})
+        body = full_response(self.chat, self.id, self.created, self.model, self.choices, params, self.shape)
         data = body.model_dump(mode="json")
         if answer.disaggregated_params is None:  # the extension field appears only on ctx answers
-            data["choices"][0].pop("disaggregated_params", None)
+            for choice in data["choices"]:
+                choice.pop("disaggregated_params", None)
+        else:
+            for choice in data["choices"][1:]:
+                choice.pop("disaggregated_params", None)
         return JSONResponse(data)
 
     async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
@@ -390,24 +396,23 @@ class _Run:
         ``token_ids``: every output with new tokens becomes a chunk (also one whose text is held
         back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
-        shape, offset = self.shape, 0
+        shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
         try:
-            out, is_first = first, True
+            out = first
             while out is not None:
-                if (out.new_text or out.finished or is_first or (token_ids and out.new_token_ids)
-                        or (shape.logprobs is not None and out.new_logprobs)):
+                is_first = out.index not in offsets
+                if (out.new_text or out.finished or out.finish_reason is not None or is_first
+                        or (token_ids and out.new_token_ids) or (shape.logprobs is not None and out.new_logprobs)):
                     text = (shape.echo or "") + out.new_text if is_first else out.new_text
-                    lp, offset = self._chunk_logprobs(out, is_first, offset)
-                    usage = self.acc.usage() if shape.continuous_usage else None
-                    yield enc.event(text, out.finish_reason if out.finished else None, role=is_first,
-                                    logprobs=lp, usage=usage,
-                                    token_ids=list(out.new_token_ids) if token_ids else None)
-                    is_first = False
+                    lp, offsets[out.index] = self._chunk_logprobs(out, is_first, offsets.get(out.index, 0))
+                    usage = self.choices.usage() if shape.continuous_usage else None
+                    yield enc.event(text, out.finish_reason, role=is_first, logprobs=lp, usage=usage,
+                                    token_ids=list(out.new_token_ids) if token_ids else None, index=out.index)
                 if out.finished:
                     break
                 out = await self.next()
             if include_usage:
-                yield enc.usage_event(self.acc.usage())
+                yield enc.usage_event(self.choices.usage())
         except ApiError as err:
             yield sse_event(error_body(err.message, err.type, err.status))
         finally:
@@ -421,4 +426,5 @@ class _Run:
         entries = out.new_logprobs or []
         if self.chat:
             return chat_logprobs(entries, self.shape.namer), offset
-        return completion_logprobs_of(self.shape, self.acc.prompt_logprobs if is_first else None, entries, offset)
+        prompt_lp = self.choices.by_index[out.index].prompt_logprobs if is_first else None
+        return completion_logprobs_of(self.shape, prompt_lp, entries, offset)
