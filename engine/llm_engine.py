@@ -167,9 +167,12 @@ class LLMEngine:
         if self.scheduler.release_parked(request_id):
             return
         family = self.families.members(request_id)
-        seq = self.scheduler.find(request_id)
-        for s in [m for m in family if not m.finished] if family else [seq] if seq is not None else []:
-            self._finish(s, "abort")
+        if family is None:
+            seq = self.scheduler.find(request_id)
+            family = [seq] if seq is not None else []
+        for member in family:
+            if not member.finished:
+                self._finish(member, "abort")
 
     def kv_ready(self, request_id: str, ok: bool, first_token_ids: list[int] | None = None,
                  num_cached_tokens: int | None = None) -> None:

@@ -139,15 +139,17 @@ def _ctx_choices(engine, rid, prompt, params, n):
     return [tokens[(rid, i)][0] for i in range(n)], outs[-1]
 
 
+@pytest.mark.parametrize("params", [sampled, greedy])  # greedy: a wrong KV copy shows (sampled noise can hide it)
 @pytest.mark.parametrize("plen", [16, 21])
-def test_disaggregated_choices_equal_colocated(tiny_engine_factory, tiny_engine, plen):
+def test_disaggregated_choices_equal_colocated(tiny_engine_factory, tiny_engine, plen, params):
     ctx_eng, gen_eng = tiny_engine, tiny_engine_factory(num_kv_blocks=64)
+    gen_eng.kv_cache.normal_()  # blocks hold stale KV, as reused blocks do: a block not copied shows
     prompt = _prompt(ctx_eng, plen)
-    colocated, _ = run_choices(ctx_eng, [EngineRequest("co", prompt, sampled(), n=3)])
-    first, last = _ctx_choices(ctx_eng, "x", prompt, sampled(), 3)
+    colocated, _ = run_choices(ctx_eng, [EngineRequest("co", prompt, params(), n=3)])
+    first, last = _ctx_choices(ctx_eng, "x", prompt, params(), 3)
     assert last.finished and last.parked_block_ids and len(last.parked_block_ids) == -(-plen // 16)
     assert first == [colocated[("co", i)][0] for i in range(3)]
-    gen_eng.add_request(EngineRequest("x", prompt, sampled(), phase=Phase.GENERATION_ONLY, first_token_ids=first, n=3))
+    gen_eng.add_request(EngineRequest("x", prompt, params(), phase=Phase.GENERATION_ONLY, first_token_ids=first, n=3))
     pull = gen_eng.step().kv_pulls[0]
     gen_eng.kv_cache[pull.block_ids] = ctx_eng.kv_cache[last.parked_block_ids]
     gen_eng.kv_ready("x", ok=True)
