@@ -113,3 +113,38 @@ def test_refusals(clients):
         clients["disagg"].completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2, best_of=3)
     with pytest.raises(openai.UnprocessableEntityError, match="n"):
         clients["disagg"].completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=17)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_choice_stops_on_its_own_stop_string(clients, stream):
+    free = completions(clients["disagg"], False, max_tokens=16)["texts"]
+    stop = free[1][len(free[1]) // 2:len(free[1]) // 2 + 2]  # a piece from the middle of choice 1
+    assert stop.strip(), free
+    got = completions(clients["disagg"], stream, max_tokens=16, stop=[stop])
+    for i, text in free.items():
+        cut = text.find(stop)
+        assert got["texts"][i] == (text if cut < 0 else text[:cut]), (i, stop)
+        assert got["finish"][i] == ("length" if cut < 0 else "stop")
+    assert got["finish"][1] == "stop"
+    assert completions(clients["colocated"], stream, max_tokens=16, stop=[stop])["texts"] == got["texts"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_choice_has_its_logprobs(clients, stream):
+    def run(client):
+        kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3, "logprobs": 2}
+        lps = {}
+        if not stream:
+            for c in client.completions.create(**kw, extra_body=EXTRA).choices:
+                lps[c.index] = c.logprobs.token_logprobs
+            return lps
+        for chunk in client.completions.create(**kw, stream=True, extra_body=EXTRA):
+            for c in chunk.choices:
+                lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs if c.logprobs else [])
+        return lps
+
+    got, want = run(clients["disagg"]), run(clients["colocated"])
+    assert sorted(got) == [0, 1] and all(len(v) == 5 for v in got.values())
+    assert got[0] != got[1]
+    for i in (0, 1):
+        assert got[i] == pytest.approx(want[i], abs=1e-5)
