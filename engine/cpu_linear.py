@@ -8,15 +8,16 @@ reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weigh
 call torch.compile's CPU freezing pass uses) streams it instead. Measured on the 2-core EPYC CI
 machine, 30 SmolLM2 layers + lm_head per step, 2 threads (``bench/cpu_linear.py``):
 
-=========  ======  ========  ==========
-dtype      rows    F.linear  packed
-=========  ======  ========  ==========
-float32    1       46–48 ms  31–36 ms
-float32    8       63 ms     41 ms
-bfloat16   1       23–25 ms  16 ms
-bfloat16   8       32 ms     18 ms
-=========  ======  ========  ==========
+=========  ====  ========  ======
+dtype      rows  F.linear  packed
+=========  ====  ========  ======
+float32    1     56.3 ms   39.5 ms
+float32    8     62.6 ms   54.0 ms
+bfloat16   1     27.9 ms   22.3 ms
+bfloat16   8     40.5 ms   29.2 ms
+=========  ====  ========  ======
 
+(load average ~1; in a whole engine step, ``bench/engine_step.py``, the gain is 10-25%.)
 bf16 results are bit-identical to ``F.linear`` (which already runs oneDNN for bf16); fp32 ones
 differ in rounding only (oneDNN's fp32 kernel accumulates in another order: max abs error vs an
 fp64 reference 1e-4 against F.linear's 6e-5 for K = 576). The packed tensor is an opaque oneDNN
