@@ -12,9 +12,11 @@ silent fallback this check exists to show. In ``/metrics`` (counters, tokens) an
 ``/cluster/status`` / ``pdserve status``.
 
 Counted: every ctx-pool answer, and gen-pool answers where the gen server computed the prompt
-itself (colocated: conditional disaggregation) and answered with a JSON body. A
-``generation_only`` request's hit is the ctx server's (it pulls the whole prompt), and a colocated
-stream's usage is not parsed by the relay: neither is counted.
+itself (colocated: conditional disaggregation) and answered with a JSON body. Not counted: a
+``generation_only`` request (its ``cached_tokens`` is the ctx server's hit; the blocks its partial
+pull skipped on the gen server are counted only in that server's ``kv_blocks_skipped``, not per
+answer, so the gen pool's routing of disaggregated requests is not self-checked), and a colocated
+stream (the relay does not parse its usage).
 """
 
 from __future__ import annotations
