@@ -7,7 +7,8 @@ submitted, the engine asks for a KV pull, the engine produced an output, a reque
 (``ctx_worker.kv_role``) parks and serves blocks; the gen role (``gen_worker.kv_role``) pulls them.
 
 Items a role hands to a request's stream besides engine outputs: :class:`KVHandoff` (ctx: the
-answer's ``disaggregated_params``) and :class:`KVTransferDone` (gen: bytes and seconds of a pull),
+answer's ``disaggregated_params``), :class:`KVTransferDone` (gen: bytes and seconds of a pull),
+:class:`KVMoved` (gen: a request moved off a draining server, its lease's params),
 or an exception (:class:`executor.phases.PhaseError`) that fails the request.
 """
 
@@ -38,6 +39,15 @@ class RankShards:
 @dataclass
 class KVHandoff:
     """A ``context_only`` request was parked: the params the orchestrator forwards to a gen server."""
+
+    request_id: str
+    params: "DisaggregatedParams"
+
+
+@dataclass
+class KVMoved:
+    """gen, drain by moving KV: the request left this engine at a decode step boundary and its
+    blocks are parked; ``params`` tell a target gen server how to pull them and decode on."""
 
     request_id: str
     params: "DisaggregatedParams"
