@@ -207,6 +207,8 @@ class LLMEngine:
         for seq in list(self.scheduler.running):
             if not seq.movable or not seq.in_decode or seq.request_id in self._to_emit:
                 continue
+            if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
+                continue
             seq.moved = MovedKV(list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
                                 seq.block_hashes()[:seq.num_computed // self.config.block_size])
             self._finish(seq, MOVED)

@@ -232,7 +232,10 @@ class EngineLoop:
         if self.state == EngineState.SERVING:
             self.state = EngineState.DRAINING
             self._last_stats = None  # push the new state at once
-        if cmd.move_kv and self.state == EngineState.DRAINING and not self._moving:
+        if cmd.move_kv and not self.role.can_move_kv:
+            log.warning("drain with move_kv: the %s role cannot park moved KV; in-flight requests finish here",
+                        self.role.name)
+        elif cmd.move_kv and self.state == EngineState.DRAINING and not self._moving:
             log.info("draining by moving KV: movable requests leave at their next decode step")
             self._moving = True
             self._stalled = False

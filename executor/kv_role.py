@@ -76,6 +76,7 @@ class WorkerRole:
     """A role with no KV movement (colocated only); the base of the ctx and gen roles."""
 
     name = "colocated"
+    can_move_kv = False  # parks and serves the KV of requests moved off a draining engine (gen role)
 
     def start(self, engine: "LLMEngine", ops: WorkerOps, shards: RankShards) -> None:
         """Called once on the loop owner before the first request; the role may start threads."""

@@ -46,6 +46,7 @@ class GenKVRole(WorkerRole):
     transceiver listens, 0 = any free port)."""
 
     name = "gen"
+    can_move_kv = True
 
     def __init__(self, settings: KVTransferSettings, layout: KVLayout, host: str = "127.0.0.1",
                  port: int = 0) -> None:

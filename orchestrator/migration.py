@@ -83,6 +83,8 @@ class GenPhase:
             log.warning("gen server %s moved the request with %s output tokens, the relay has %d; prefilling it "
                         "again instead", source.url, len(first) if isinstance(first, list) else "no",
                         len(progress.token_ids))
+            if moved.get("ctx_request_id"):
+                self._flow.release_soon(Lease(source.url, moved["ctx_request_id"]), self._ex)
             return await self.migrate(progress)
         self._lease, self._params = Lease(source.url, moved["ctx_request_id"]), moved
         self._exclude_gen = {source.url}  # the draining server admits nothing new
