@@ -9,7 +9,7 @@ stopped), how many streams were on it, and that every stream completed with the 
 both modes (greedy: the moved streams equal the undisturbed ones). Bounded: every request and
 wait has a timeout (``--bound-s``).
 
-    .venv/bin/python bench/drain.py [--model smollm2|tiny] [--streams 16] [--max-tokens 512]
+    .venv/bin/python bench/drain.py [--model smollm2|tiny] [--streams 16] [--max-tokens 256]
                                     [--warm-tokens 16] [--section drain] [--no-doc]
 """
 
@@ -41,7 +41,7 @@ PROMPTS = [f"Write a long story about {t}." for t in (
 def topology(model_path: str, model_name: str, log_dir: Path, mode: str, block_size: int) -> dict:
     return {
         "model": {"path": model_path, "name": model_name},
-        "engine": {"dtype": "float32", "block_size": block_size, "num_kv_blocks": 1024, "max_batch_size": 16,
+        "engine": {"dtype": "float32", "block_size": block_size, "num_kv_blocks": 512, "max_batch_size": 16,
                    "num_threads": 1},
         "kv_transfer": {"lease_ms": 30000, "timeout_ms": 10000},
         "orchestrator": {"host": "127.0.0.1", "port": free_port(), "health_interval_s": 0.2, "drain_timeout_s": 600,
@@ -155,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--warm-tokens", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--bound-s", type=float, default=900.0, help="every wait and request is bounded by this")
