@@ -88,6 +88,7 @@ class GenPhase:
             return await self.migrate(progress)
         self._lease, self._params = Lease(source.url, moved["ctx_request_id"]), moved
         self._exclude_gen = {source.url}  # the draining server admits nothing new
+        await self._wait_ready("gen", time.monotonic() + self._flow._settings.migration_wait_s)
         return await self._open_leased()
 
     def abandon(self) -> None:

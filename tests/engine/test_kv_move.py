@@ -12,12 +12,28 @@ BS = 16
 N = 40
 
 
+@pytest.fixture(scope="module")
+def engines(tiny_engine_factory):
+    """(source, target, reference) engines, shared by this module's tests (building one costs seconds);
+    each test starts them with empty prefix caches."""
+    made = tuple(tiny_engine_factory(num_kv_blocks=64, block_size=BS) for _ in range(3))
+    yield made
+
+
+@pytest.fixture
+def fresh(engines):
+    for eng in engines:
+        assert not eng.has_work() and eng.num_free_blocks == eng.config.num_kv_blocks
+        eng.reset_prefix_cache()
+    return engines
+
+
 def _prompt(n, start=300):
     return [start + (i * 7) % 997 for i in range(n)]
 
 
 def _seeded(n):
-    return SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    return SamplingParams(max_tokens=n, temperature=0.9, seed=1234, ignore_eos=True)
 
 
 def _run_until(engine, rid, k):
@@ -65,14 +81,13 @@ def _continue(dst, src, out, params, rid="t"):
     return tokens, pull, first_step
 
 
-@pytest.mark.parametrize("k", [1, 7, 24, 25])  # outputs before the move; 24/25: KV ends on / past a block edge
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_moved_request_equals_undisturbed_and_computes_one_token(tiny_engine_factory, k, sampling):
-    src, dst = (tiny_engine_factory(num_kv_blocks=64, block_size=BS) for _ in range(2))
+@pytest.mark.parametrize("k,sampling", [(1, "greedy"), (7, "greedy"), (24, "greedy"), (25, "greedy"),
+                                        (7, "seeded")])  # k outputs before the move; 24/25: KV ends on / past a block edge
+def test_moved_request_equals_undisturbed_and_computes_one_token(fresh, k, sampling):
+    src, dst, ref = fresh
     params = greedy(N) if sampling == "greedy" else _seeded(N)
     prompt = _prompt(25)
-    undisturbed = run_all(tiny_engine_factory(num_kv_blocks=64, block_size=BS),
-                          [EngineRequest("u", prompt, params)])["u"]["tokens"]
+    undisturbed = run_all(ref, [EngineRequest("u", prompt, params)])["u"]["tokens"]
     src.add_request(EngineRequest("m", prompt, params, movable=True))
     before = _run_until(src, "m", k)
     assert len(before) == k and before == undisturbed[:k]
@@ -81,7 +96,7 @@ def test_moved_request_equals_undisturbed_and_computes_one_token(tiny_engine_fac
     assert out.moved.token_ids == prompt + before and out.moved.kv_num_tokens == kv_tokens
     assert len(out.parked_block_ids) >= -(-kv_tokens // BS)
     assert len(out.moved.block_hashes) == kv_tokens // BS
-    computed_before = dst.stats()["tokens_computed"]
+    computed_before, loaded_before = dst.stats()["tokens_computed"], dst.stats()["kv_blocks_loaded"]
     after, pull, first_step = _continue(dst, src, out, params)
     assert before + after[k:] == undisturbed and after[:k] == before  # first_gen_tokens are re-emitted once
     # No recompute: the pull brings every KV block (nothing cached on dst), the target computes the
@@ -90,14 +105,14 @@ def test_moved_request_equals_undisturbed_and_computes_one_token(tiny_engine_fac
     assert len(pull.block_ids) == -(-kv_tokens // BS)
     assert first_step == 1
     assert dst.stats()["tokens_computed"] - computed_before == N - k
-    assert dst.stats()["kv_blocks_loaded"] == len(pull.block_ids)
+    assert dst.stats()["kv_blocks_loaded"] - loaded_before == len(pull.block_ids)
     assert src.release_parked("m") and src.num_free_blocks == src.config.num_kv_blocks
     assert dst.num_free_blocks == dst.config.num_kv_blocks
 
 
-def test_partial_pull_of_a_moved_request(tiny_engine_factory):
+def test_partial_pull_of_a_moved_request(fresh):
     """The target already holds the prompt's full blocks in its prefix cache: it pulls only the rest."""
-    src, dst = (tiny_engine_factory(num_kv_blocks=64, block_size=BS) for _ in range(2))
+    src, dst, _ = fresh
     prompt = _prompt(40)
     undisturbed = run_all(dst, [EngineRequest("u", prompt, greedy(N))])["u"]["tokens"]  # caches 2 prompt blocks
     src.add_request(EngineRequest("m", prompt, greedy(N), movable=True))
@@ -128,8 +143,8 @@ def test_only_movable_requests_in_decode_move(tiny_engine_factory):
     assert eng.num_free_blocks == eng.config.num_kv_blocks
 
 
-def test_kv_num_tokens_is_checked(tiny_engine_factory):
-    eng = tiny_engine_factory(num_kv_blocks=64, block_size=BS)
+def test_kv_num_tokens_is_checked(fresh):
+    eng = fresh[0]
     with pytest.raises(RequestValidationError, match="kv_num_tokens"):
         eng.add_request(EngineRequest("x", _prompt(5), greedy(4), phase=Phase.GENERATION_ONLY,
                                       first_token_ids=[1, 2], kv_num_tokens=7))  # at most 5 + 2 - 1
