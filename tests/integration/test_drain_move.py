@@ -30,7 +30,8 @@ SESSION = {"X-Session-Id": "drain-test"}  # session affinity: every request of t
 def cluster(tiny_model_dir, tmp_path_factory):
     with env_vars({"PDSERVE_TEST_STEP_DELAY_S": STEP_DELAY_S, "PDSERVE_ADMIN_TOKEN": TOKEN}):
         c = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("drain"), num_gen=2,
-                                  orchestrator={"migration_limit": 2, "session_affinity": "header"})
+                                  orchestrator={"migration_limit": 2, "session_affinity": "header",
+                                                "kv_aware_balance_threshold": 100})
         try:
             yield c
         finally:
@@ -128,7 +129,8 @@ def test_drain_moves_every_stream_without_recompute_in_seconds(cluster):
     workers = run_all(cluster, cases, results, wait=False)
     name = busy_gen(cluster)
     deadline = time.monotonic() + 30
-    while info(cluster, name)["scheduled_requests"] < len(cases) and time.monotonic() < deadline:
+    while info(cluster, name)["scheduled_requests"] < len(cases):
+        assert time.monotonic() < deadline, f"not all {len(cases)} requests decode on {name}: {info(cluster, name)}"
         time.sleep(0.05)
     time.sleep(0.3)  # a few tokens decoded there
     assert drain_move(cluster, name)["mode"] == "move_kv"
