@@ -14,14 +14,14 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
-from engine.kv_connector import make_connector
+from engine.kv_connector import MOVED, make_connector
 from engine.kv_event_log import KVEventLog
 from engine.kv_memory import allocate_kv_cache
 from engine.kv_sizing import resolve_num_kv_blocks
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.request import EngineRequest, Phase, RequestOutput, StepResult
+from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -89,6 +89,8 @@ class LLMEngine:
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self._to_emit: dict[str, Sequence] = {}
+        self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
+        self.requests_moved_out = 0
         if self.tp.enabled:
             barrier(self.tp)
             self._plans = PlanBroadcaster(self.tp)
@@ -110,6 +112,7 @@ class LLMEngine:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
         included), ``total_blocks``, :meth:`memory_stats`, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
+                "tokens_computed": self.tokens_computed, "requests_moved_out": self.requests_moved_out,
                 **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
 
     def memory_stats(self) -> dict[str, int]:
@@ -187,7 +190,32 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
                 return
+        if seq.kv_num_tokens is not None:  # moved: the pull brought the first tokens' KV too, all but the last
+            seq.num_computed = seq.kv_num_tokens
+            self.scheduler.cache_computed(seq)
         self._to_emit[request_id] = seq
+
+    def move_out(self) -> list[str]:
+        """Drain by moving KV: stop every movable request that sits at a decode step boundary (its
+        last sampled token not computed yet, nothing pending for its caller) and park its blocks for
+        another engine to pull. Each such request finishes with reason ``"moved"`` in the next
+        :meth:`step`'s outputs, carrying :class:`engine.request.MovedKV`; its blocks stay allocated
+        until :meth:`release_parked` (or :meth:`abort_request`). Requests not in decode yet (waiting,
+        pulling, prefilling) are left alone: call again after later steps. Returns the ids moved."""
+        if self.scheduler.connector is None:
+            return []
+        moved = []
+        for seq in list(self.scheduler.running):
+            if not seq.movable or not seq.in_decode or seq.request_id in self._to_emit:
+                continue
+            if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
+                continue
+            seq.moved = MovedKV(list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
+                                seq.block_hashes()[:seq.num_computed // self.config.block_size])
+            self._finish(seq, MOVED)
+            moved.append(seq.request_id)
+        self.requests_moved_out += len(moved)
+        return moved
 
     def release_parked(self, request_id: str) -> bool:
         """Free a CONTEXT_ONLY request's handed-off blocks. False if it holds none."""
@@ -218,6 +246,7 @@ class LLMEngine:
             sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
             for seq, k in batch.items:
                 seq.num_computed += k
+                self.tokens_computed += k
                 self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
                 if seq.request_id in sampled:
                     self._apply_token(seq, *sampled[seq.request_id])
@@ -298,7 +327,9 @@ class LLMEngine:
         outputs = []
         for seq in self._to_emit.values():
             parked = list(seq.block_ids) if seq.parked else None
-            outputs.append(self.output_processor.take_output(seq, parked))
+            out = self.output_processor.take_output(seq, parked)
+            out.moved = seq.moved
+            outputs.append(out)
         self._to_emit.clear()
         return outputs
 

@@ -262,6 +262,9 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         raise ApiError(400, f"this {cfg.role} server does not run {rtype} requests", param="disaggregated_params")
     if rtype == "context_only" and body.stream:
         raise ApiError(400, "context_only requests cannot stream", param="stream")
+    if disagg is not None and disagg.movable and not body.stream:
+        raise ApiError(400, "only a streamed request can be movable (its stream ends with the moved event)",
+                       param="disaggregated_params")
     try:
         if rtype == "generation_only" and not disagg.awaits_ctx:
             prompt = list(disagg.prompt_token_ids)  # generation_first: tokenized here, checked against the ctx's
@@ -282,7 +285,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         token_ids = bool(disagg and disagg.stream_token_ids)
-        return StreamingResponse(run.sse(first, include_usage, token_ids), media_type="text/event-stream")
+        return StreamingResponse(run.sse(first, include_usage, token_ids, answer), media_type="text/event-stream")
     return await run.collect(first, request, answer)
 
 
@@ -333,8 +336,9 @@ class _Run:
         if out.finished:
             m.e2e.labels(request_type=self.rtype).observe(now - self.t_submit)
             m.requests.labels(request_type=self.rtype, outcome=out.finish_reason or "handed_off").inc()
-            m.prompt_tokens.inc(out.num_prompt_tokens)
-            m.generation_tokens.inc(out.num_output_tokens)
+            if out.finish_reason != "moved":  # a moved request's tokens are counted by its target
+                m.prompt_tokens.inc(out.num_prompt_tokens)
+                m.generation_tokens.inc(out.num_output_tokens)
 
     async def first_unless_disconnected(self, request: Request) -> RequestOutput | None:
         """The first output, or None (request aborted) if the client left before it came — on a ctx
@@ -384,16 +388,24 @@ class _Run:
             data["choices"][0].pop("disaggregated_params", None)
         return JSONResponse(data)
 
-    async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+    async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False,
+                  answer: PhaseAnswer | None = None) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the first byte becomes an error event, then [DONE].
 
         ``token_ids``: every output with new tokens becomes a chunk (also one whose text is held
-        back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token."""
+        back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token.
+        A request moved off this draining server (finish reason ``moved``) ends with one event
+        ``{"moved": disaggregated_params}`` (``answer.moved``: its lease here, token ids so far) and
+        ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it)."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         shape, offset = self.shape, 0
         try:
             out, is_first = first, True
             while out is not None:
+                if out.finished and out.finish_reason == "moved":
+                    yield self._moved_event(answer)
+                    yield SSE_DONE
+                    return
                 if (out.new_text or out.finished or is_first or (token_ids and out.new_token_ids)
                         or (shape.logprobs is not None and out.new_logprobs)):
                     text = (shape.echo or "") + out.new_text if is_first else out.new_text
@@ -413,6 +425,12 @@ class _Run:
         finally:
             await self.outputs.aclose()
         yield SSE_DONE
+
+    @staticmethod
+    def _moved_event(answer: PhaseAnswer | None) -> bytes:
+        if answer is None or answer.moved is None:  # the role failed the stream instead (never both)
+            return sse_event(error_body("the request was moved without its KV parameters", "internal_error", 500))
+        return sse_event({"moved": answer.moved.model_dump(mode="json", exclude_none=True)})
 
     def _chunk_logprobs(self, out: RequestOutput, is_first: bool, offset: int) -> tuple[dict | None, int]:
         """The logprobs object of one streamed chunk and the completions text offset after it."""

@@ -122,7 +122,9 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     """Build the engine request for a body's phase (colocated when ``disagg`` is None).
 
     ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``) and
-    names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector)."""
+    names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector);
+    a moved request's pull covers ``disagg.kv_num_tokens`` tokens. ``disagg.movable``: the request
+    may be moved off this server when it drains with ``move_kv``."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
     gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
     later = gen_only and disagg.awaits_ctx  # generation_first: first tokens and cache hit come with the KV
@@ -134,7 +136,9 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
                          phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached,
                          first_token_logprobs=first_lp, prompt_logprobs=prompt_lp,
-                         source_block_hashes=hashes, first_tokens_later=later)
+                         source_block_hashes=hashes, first_tokens_later=later,
+                         movable=bool(disagg and disagg.movable),
+                         kv_num_tokens=disagg.kv_num_tokens if gen_only and not later else None)
 
 
 @dataclass

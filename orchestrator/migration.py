@@ -12,6 +12,11 @@
   position ``len(first_gen_tokens)`` next: the sampler's noise is a function of (seed, choice,
   position), so a seeded stream goes on exactly as it would have. A migration first waits
   (``orchestrator.migration_wait_s``) for a ready ctx and gen server.
+* :meth:`GenPhase.move`: the gen server drains with ``move_kv`` and parked the request's KV (its
+  stream ended with a ``moved`` event). Another gen server gets a ``generation_only`` request for
+  that lease: it pulls the blocks (prompt + every output token but the last, ``kv_num_tokens``),
+  computes the one token left and samples on with the same seed. Nothing is prefilled again. If
+  the target cannot pull (``kv_transfer_error``), the request falls back to a migration.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .relay import GenStream
 
 if TYPE_CHECKING:
     from .disagg import DisaggFlow, Exchange, Lease
+    from .pools import Server
     from .router import RouteHint
 
 log = logging.getLogger("orchestrator.migration")
@@ -68,6 +74,22 @@ class GenPhase:
         for role in ("ctx", "gen"):
             await self._wait_ready(role, deadline)
         return await self._prefill_again()
+
+    async def move(self, progress: Progress, moved: dict, source: "Server") -> GenStream:
+        from .disagg import Lease
+
+        first = moved.get("first_gen_tokens")
+        if not moved.get("ctx_request_id") or first != progress.token_ids:
+            log.warning("gen server %s moved the request with %s output tokens, the relay has %d; prefilling it "
+                        "again instead", source.url, len(first) if isinstance(first, list) else "no",
+                        len(progress.token_ids))
+            if moved.get("ctx_request_id"):
+                self._flow.release_soon(Lease(source.url, moved["ctx_request_id"]), self._ex)
+            return await self.migrate(progress)
+        self._lease, self._params = Lease(source.url, moved["ctx_request_id"]), moved
+        self._exclude_gen = {source.url}  # the draining server admits nothing new
+        await self._wait_ready("gen", time.monotonic() + self._flow._settings.migration_wait_s)
+        return await self._open_leased()
 
     def abandon(self) -> None:
         if self._lease is not None:
@@ -132,14 +154,15 @@ class GenPhase:
         first = self._progress.token_ids or params.get("first_gen_tokens")
         dp = {**params, "request_type": "generation_only", "disagg_request_id": self._ex.disagg_request_id,
               "first_gen_tokens": first}
-        if self._token_ids:
-            dp["stream_token_ids"] = True
+        if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
+            dp["stream_token_ids"] = dp["movable"] = True
         return jsonio.dumps({**self._ex.body, **self._stream_fields(), "disaggregated_params": dp})
 
     def _colocated_body(self) -> bytes:
         body = {**self._ex.body, **self._stream_fields()}
         if self._token_ids:
-            body["disaggregated_params"] = {"request_type": "context_and_generation", "stream_token_ids": True}
+            body["disaggregated_params"] = {"request_type": "context_and_generation", "stream_token_ids": True,
+                                            "movable": True}
         return jsonio.dumps(body)
 
 
@@ -159,6 +182,9 @@ class OpenedSource:
 
     async def migrate(self, progress: Progress) -> GenStream:
         return await self._phase.migrate(progress)
+
+    async def move(self, progress: Progress, moved: dict, source: "Server") -> GenStream:
+        return await self._phase.move(progress, moved, source)
 
     def abandon(self) -> None:
         if self._gs is not None:  # never relayed (the dispatch discarded it)

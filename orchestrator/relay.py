@@ -9,6 +9,11 @@ and, when a gen server dies mid-decode (the connection breaks, the stream ends w
 server's first token goes out at once, then the relay's chunks, then ``[DONE]``; a failure becomes
 an error event (never a hang). A non-streaming request runs the same relay without a client
 stream (``emit=None``) and answers the assembled JSON (:mod:`orchestrator.disagg`).
+
+A gen server that drains with ``move_kv`` ends a movable stream with a ``moved`` event (the
+request's KV parked there under a lease); the relay then asks its source to :meth:`GenSource.move`
+the request: another gen server pulls that KV and decodes on from the next token. A move is not a
+migration (nothing failed, nothing is recomputed): it does not count toward ``migration_limit``.
 """
 
 from __future__ import annotations
@@ -61,16 +66,27 @@ class GenSource(Protocol):
     async def migrate(self, progress: Progress) -> GenStream:
         """A new gen stream continuing from ``progress.token_ids``. Raises OrchestratorError."""
 
+    async def move(self, progress: Progress, moved: dict, source: Server) -> GenStream:
+        """A new gen stream on another gen server than ``source`` that pulls the KV ``source``
+        parked (``moved``: its moved event's params) and decodes on. Raises OrchestratorError."""
+
     def abandon(self) -> None:
         """The request ends unfinished: free whatever KV is still parked for it (never awaits)."""
 
 
 @dataclass
 class Broken:
-    """Why a gen stream ended before the request finished; ``migratable``: the server looks dead."""
+    """Why a gen stream ended before the request finished; ``migratable``: the server looks dead.
+    ``moved``: the server drains with move_kv and parked the request's KV (the moved event's
+    ``disaggregated_params``); ``server``: where the stream ran (set for a move)."""
 
     message: str
     migratable: bool = True
+    moved: dict | None = None
+    server: Server | None = None
+
+
+MAX_MOVES = 16  # a request moved more often than this (drain after drain) fails instead
 
 
 class GenRelay:
@@ -92,6 +108,7 @@ class GenRelay:
         self._include_usage = include_usage
         self._itl = metrics.child(metrics.itl, endpoint)
         self.migrations = 0
+        self.moves = 0
         self.finished = False
         self.chunks_sent = 0
         self.t_last: float | None = None
@@ -108,6 +125,13 @@ class GenRelay:
             if broken is None:
                 self.finished = True
                 return None
+            if broken.moved is not None and broken.server is not None and self.moves < MAX_MOVES:
+                self.moves += 1
+                self._metrics.moves.inc()
+                log.info("%s; continuing on another gen server that pulls its KV (%d generated tokens, move %d)",
+                         broken.message, len(self.progress.token_ids), self.moves)
+                gs = await self._source.move(self.progress, broken.moved, broken.server)
+                continue
             if not broken.migratable or self.migrations >= self._limit:
                 if broken.migratable and self._limit:
                     return f"{broken.message} (migration_limit {self._limit} reached)"
@@ -135,6 +159,9 @@ class GenRelay:
                 if payload == b"[DONE]":
                     return None
                 broken = await self._event(payload, attempt, emit, url)
+                if broken is not None and broken.moved is not None:
+                    broken.server = gs.server  # a drain, not a failure: the server stays healthy
+                    return broken
                 if broken is not None:
                     return self._broke(gs.server, broken)
             try:
@@ -154,6 +181,9 @@ class GenRelay:
             return Broken(f"generation stream from {url} sent an event that is not JSON")
         if not isinstance(event, dict):
             return Broken(f"generation stream from {url} sent an event that is not a JSON object")
+        if isinstance(event.get("moved"), dict):  # drain by moving KV: the request's KV is parked there
+            return Broken(f"gen server {url} is draining and moved the request", migratable=False,
+                          moved=event["moved"])
         if "error" in event:
             info = event["error"] if isinstance(event["error"], dict) else {}
             code = info.get("code")

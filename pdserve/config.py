@@ -189,6 +189,11 @@ class OrchestratorSettings(StrictModel):
     drain_timeout_s: float = Field(300.0, gt=0, description="scale-down waits this long for in-flight requests before stopping a server")
     migration_limit: int = Field(2, ge=0, le=16, description="a stream whose gen server dies mid-decode continues on another gen server up to this many times (0 = off: the stream ends with an error event)")
     migration_wait_s: float = Field(10.0, gt=0, description="a migration waits this long for a ready ctx and gen server")
+    drain_mode: Literal["move_kv", "wait"] = Field(
+        "move_kv", description="scale-down of a gen server: move_kv hands each running stream to another gen server "
+        "(its KV parked on the draining server and pulled by the target; needs migration_limit > 0, which makes "
+        "streams movable), falling back to wait when no other gen server is ready; wait: in-flight requests "
+        "finish there (bounded by drain_timeout_s)")
     schedule_style: Literal["context_first", "generation_first"] = Field(
         "context_first", description="context_first: the ctx phase, then the gen phase (two round trips in a row); "
         "generation_first: both at once, the gen server allocates and waits for the ctx server's KV "

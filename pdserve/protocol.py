@@ -99,6 +99,12 @@ class DisaggregatedParams(BaseModel):
         None, description="request side: a streamed answer carries each chunk's new output token ids in "
                           "`choices[0].token_ids` (the orchestrator strips them; it keeps them to migrate a stream)")
     ctx_url: CtxURL | None = Field(None, description="generation_first: the ctx server to wait on for the rest")
+    movable: StrictBool | None = Field(
+        None, description="request side (streams only): if this server drains with move_kv, the stream may end "
+                          "with a `moved` event (the request's KV parked here for another gen server to pull)")
+    kv_num_tokens: Count | None = Field(
+        None, description="moved request: the lease holds the KV of this many tokens (prompt + first_gen_tokens "
+                          "but the last), not only the prompt's")
 
     @property
     def awaits_ctx(self) -> bool:
@@ -129,13 +135,18 @@ class DisaggregatedParams(BaseModel):
         if any(x.tp_rank != i or x.tp_size != len(layouts) for i, x in enumerate(layouts)):
             raise ValueError(f"kv_layouts must be ranks 0..{len(layouts) - 1} of a group of {len(layouts)}, in order")
         block_size = layouts[0].block_size
-        needed = -(-len(self.prompt_token_ids or []) // block_size)
+        prompt = len(self.prompt_token_ids or [])
+        if self.kv_num_tokens is not None and not prompt <= self.kv_num_tokens < prompt + len(self.first_gen_tokens or []):
+            raise ValueError(f"kv_num_tokens {self.kv_num_tokens} is outside [{prompt} prompt tokens, prompt + "
+                             f"first_gen_tokens - 1]")
+        kv_tokens = self.kv_num_tokens or prompt
+        needed = -(-kv_tokens // block_size)
         if self.kv_block_count is not None and self.kv_block_count > needed:
             raise ValueError(f"kv_block_count {self.kv_block_count} is more than the {needed} blocks "
-                             f"{len(self.prompt_token_ids or [])} prompt tokens fill")
-        if self.kv_block_hashes is not None and len(self.kv_block_hashes) > len(self.prompt_token_ids or []) // block_size:
+                             f"{kv_tokens} tokens fill")
+        if self.kv_block_hashes is not None and len(self.kv_block_hashes) > kv_tokens // block_size:
             raise ValueError(f"{len(self.kv_block_hashes)} kv_block_hashes for the "
-                             f"{len(self.prompt_token_ids or []) // block_size} full blocks of the prompt")
+                             f"{kv_tokens // block_size} full blocks of {kv_tokens} tokens")
         if self.cached_tokens is not None and self.cached_tokens > len(self.prompt_token_ids or []):
             raise ValueError(f"cached_tokens {self.cached_tokens} is more than the "
                              f"{len(self.prompt_token_ids or [])} prompt tokens")

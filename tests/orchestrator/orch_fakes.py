@@ -49,6 +49,7 @@ class Behavior:
     break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
     break_times: int = 10**9               # ... in this many streams (then stream normally)
     dead_after_chunks: int | None = None   # gen stream: an in-band engine_dead error event after N chunks
+    moved_after_chunks: int | None = None  # gen stream (movable): a drain's moved event after N chunks (once)
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
     answer_delay_s: float = 0.0            # gen: think this long before answering (watching for a disconnect)
@@ -137,10 +138,21 @@ async def _wait_ctx(beh: Behavior, rec: Record, dp: dict) -> JSONResponse | None
     return JSONResponse(error_body(f"ctx wait: {answer['state']}", kind, status), status_code=status)
 
 
+def _moved_params(dp: dict, n: int) -> dict:
+    """What a draining gen server's moved event carries after it streamed output tokens 0..n-1 (the
+    fake's token ids are the positions): its own lease of prompt + n - 1 tokens."""
+    kv = len(PROMPT_TOKENS) + n - 1
+    return {"request_type": "context_only", "ctx_request_id": f"moved-{uuid.uuid4().hex[:8]}",
+            "first_gen_tokens": list(range(n)), "prompt_token_ids": PROMPT_TOKENS, "kv_endpoint": "tcp://127.0.0.1:2",
+            "kv_layout": KV_LAYOUT, "kv_block_count": -(-kv // KV_LAYOUT["block_size"]), "kv_num_tokens": kv,
+            "lease_deadline": time.time() + 30}
+
+
 def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
     n = _max_tokens(body, chat)
     include_usage = (body.get("stream_options") or {}).get("include_usage", False)
-    with_ids = bool((body.get("disaggregated_params") or {}).get("stream_token_ids"))
+    dp = body.get("disaggregated_params") or {}
+    with_ids = bool(dp.get("stream_token_ids"))
     cid = f"cmpl-{uuid.uuid4().hex[:8]}"
 
     async def events():
@@ -152,6 +164,12 @@ def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
             for i in range(n):
                 if breaks and i >= beh.break_after_chunks:
                     raise RuntimeError("injected mid-stream failure")
+                if beh.moved_after_chunks is not None and i >= beh.moved_after_chunks and dp.get("movable"):
+                    beh.moved_after_chunks = None
+                    yield sse_event({"moved": _moved_params(dp, i)})
+                    yield SSE_DONE
+                    done = True
+                    return
                 if beh.dead_after_chunks is not None and i >= beh.dead_after_chunks:
                     yield sse_event(error_body("engine is dead: injected", "engine_dead", 503))
                     yield SSE_DONE

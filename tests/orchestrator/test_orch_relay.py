@@ -110,3 +110,35 @@ def test_migration_limit_0_ends_the_stream_with_an_error_event(make_cluster):
     assert stream_text(events, chat=False) == text_of(2)
     assert "engine is dead" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
     assert c.gen[1].record.bodies == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_moved_stream_continues_on_another_gen_server_that_pulls_its_kv(make_cluster, stream):
+    """Drain by moving KV: the draining gen server ends the stream with a moved event; the relay sends
+    the request to the other gen server with that lease (no second prefill) and the client sees one
+    stream with every token once."""
+    c = make_cluster(n_gen=2)
+    c.gen[0].behavior.moved_after_chunks = 3
+    req = {**COMPLETION, "max_tokens": 6, "stream_options": {"include_usage": True}} if stream else \
+        {**COMPLETION, "max_tokens": 6}
+    if stream:
+        events, _ = stream_events(c.url + "/v1/completions", req)
+        assert stream_text(events, chat=False) == text_of(6) and events[-1] == "[DONE]"
+        assert not any("error" in e or "moved" in e for e in events if isinstance(e, dict))
+        usage = events[-2]["usage"]
+    else:
+        r = httpx.post(c.url + "/v1/completions", json=req, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == text_of(6)
+        usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 6
+    assert len(c.ctx[0].record.bodies) == 1  # no prefill again: the target pulls the moved KV
+    first, moved = (g.record.bodies[0]["disaggregated_params"] for g in c.gen)
+    assert first["movable"] is True and moved["request_type"] == "generation_only"
+    assert moved["ctx_request_id"].startswith("moved-") and moved["first_gen_tokens"] == [0, 1, 2]
+    assert moved["kv_num_tokens"] == 3 + 2 and moved["kv_endpoint"] == "tcp://127.0.0.1:2"
+    metrics = httpx.get(c.url + "/metrics", timeout=5).text
+    assert "pdserve_orchestrator_kv_moves_total 1.0" in metrics
+    assert "pdserve_orchestrator_migrations_total 0.0" in metrics
+    status = httpx.get(c.url + "/cluster/status", timeout=5).json()
+    assert all(s["state"] == "ready" for s in status["pools"]["gen"]["servers"])  # a drain is not a failure
