@@ -84,7 +84,7 @@ def test_a_stream_is_counted_once_and_times_its_kv_handoff_from_the_ctx_answer(m
     text = httpx.get(c.url + "/metrics", timeout=5).text
     assert metric(text, 'pdserve_orchestrator_routed_requests_total{path="disaggregated",pool="gen"}') == 2
     assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_count") == 1  # the stream only
-    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_sum") < 0.3   # not the 0.4 s prefill
+    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_sum") < 0.4   # without the 0.4 s prefill
     assert metric(text, "pdserve_orchestrator_ctx_phase_seconds_sum") >= 0.8    # both waited for it
 
 
@@ -93,16 +93,16 @@ def test_a_stream_gets_the_ctx_token_at_once_not_after_the_gen_servers_pull(make
     """The gen server is slow to its first byte (0.6 s: a long KV pull); the client's first chunk,
     the ctx server's token, comes long before it, and the rest follows once, in order."""
     c = make_cluster(schedule_style="generation_first", behaviors={"gen": [{"answer_delay_s": 0.6}]})
-    t0 = time.monotonic()
-    first_s, raw = None, b""
+    t_first, raw = None, b""
     with httpx.stream("POST", c.url + path, json={**body, "stream": True}, timeout=10) as r:
         assert r.status_code == 200
         for piece in r.iter_bytes():
-            if first_s is None and b"data: {" in piece:
-                first_s = time.monotonic() - t0
+            if t_first is None and b"data: {" in piece:
+                t_first = time.monotonic()
             raw += piece
     events = parse_sse(raw)
-    assert first_s is not None and first_s < 0.4, first_s
+    (t_gen,) = c.gen[0].record.answered_at  # when the gen server began its answer (after 0.6 s)
+    assert t_first is not None and t_first < t_gen
     assert stream_text(events, chat) == text_of(5) and events[-1] == "[DONE]"
     assert len({e["id"] for e in events if isinstance(e, dict)}) == 1  # one stream, one id
     assert "token_ids" not in raw.decode()                              # the extension field is stripped
