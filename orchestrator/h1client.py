@@ -12,6 +12,9 @@ responses framed by ``Content-Length``, chunked transfer coding or connection cl
 response ended and both sides allow keep-alive; a response abandoned early closes its
 connection, which is how the server learns the request was cancelled.
 
+:meth:`H1Client.start` writes a request and returns at once (:class:`PendingPost`): the answer
+is read later, so two requests can be in flight from one task (generation_first).
+
 Every failure is an :class:`UpstreamError`; timeouts are the caller's (wrap calls in
 ``asyncio.timeout``), except the connect timeout, which is this client's.
 """
