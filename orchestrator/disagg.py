@@ -42,12 +42,13 @@ from .h1client import H1Client
 from .kv_selfcheck import HitSelfCheck, reported_hit
 from .metrics import Metrics
 from .pools import ClusterPools, Server
-from .migration import GenPhase, OpenedSource
+from .migration import GenPhase
 from .progress import Progress
-from .relay import GenRelay, GenStream, StreamAnswer
+from .relay import GenRelay, GenSource, GenStream, StreamAnswer
 from .prompt_tokens import PromptTokenizer
 from .responses import EventStream, JSONAnswer, iterate
-from .router import RouteHint, Router, block_hashes
+from .prompt_blocks import prompt_blocks
+from .router import RouteHint, Router
 from .sse import answer_to_events
 from .tasks import TaskOwner
 from .upstream import AttemptFailed, open_stream, post_json_raw, release_lease
@@ -127,7 +128,8 @@ class DisaggFlow:
         if ids is None:
             return RouteHint(session=ex.session) if ex.session else None
         dtype = self._dtype if self._dtype != "auto" else (self._pools.accepted_dtype() or self._dtype)
-        return RouteHint(block_hashes(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")),
+        # Lazily hashed: the routers read only as far as the longest prefix some server holds.
+        return RouteHint(prompt_blocks(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")),
                          len(ids), ex.session)
 
     def _is_short(self, hint: RouteHint | None) -> bool:
@@ -223,21 +225,24 @@ class DisaggFlow:
 
     async def _relayed(self, ex: Exchange, hint: RouteHint | None, answer: dict | None, lease: Lease | None,
                        failed_ctx: set[str], exclude: set[str] | None = None,
-                       failures: list[str] | None = None) -> Response:
+                       failures: list[str] | None = None,
+                       wrap: Callable[[GenPhase], GenSource] | None = None) -> Response:
         """The gen phase through :class:`GenRelay`: a stream that starts with the ctx answer's first
         token (``answer``; None on the colocated path), or (not ``ex.stream``) the JSON answer
-        assembled from an internal stream. Raises OrchestratorError (non-stream only: a stream's
-        failures after its first byte are error events)."""
+        assembled from an internal stream. ``wrap``: the source the relay reads instead of the
+        :class:`GenPhase` it is given (generation_first: a gen stream already requested). Raises
+        OrchestratorError (non-stream only: a stream's failures after its first byte are error events)."""
         progress = Progress.for_body(ex.body, ex.chat)
         first = None
         if answer is not None:
             first = progress.take_ctx_answer(answer)
         include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
         migrate = self._settings.migration_limit > 0
-        source = GenPhase(self, ex, hint, progress, lease, None if answer is None else
-                          answer["choices"][0]["disaggregated_params"], failed_ctx, token_ids=migrate,
-                          want_usage=include_usage or not ex.stream, exclude_gen=exclude,
-                          failures=failures)
+        phase = GenPhase(self, ex, hint, progress, lease, None if answer is None else
+                         answer["choices"][0]["disaggregated_params"], failed_ctx, token_ids=migrate,
+                         want_usage=include_usage or not ex.stream, exclude_gen=exclude,
+                         failures=failures)
+        source: GenSource = phase if wrap is None else wrap(phase)
         relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
                          ex.started_s + self._settings.request_timeout_s, include_usage)
         if ex.stream:
@@ -252,8 +257,8 @@ class DisaggFlow:
             raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
                                     type_="service_unavailable")
         answer = progress.answer()
-        if ex.colocated and relay.migrations == 0 and source.first_stream is not None:
-            self._check_hits("gen", ex, source.first_stream.predicted, answer)  # its hit is its own
+        if ex.colocated and relay.migrations == 0 and phase.first_stream is not None:
+            self._check_hits("gen", ex, phase.first_stream.predicted, answer)  # its hit is its own
         return self._json_response(ex, answer)
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
@@ -335,20 +340,6 @@ class DisaggFlow:
         if ex.colocated:  # the gen server computed the prompt: its hit is its own
             self._check_hits("gen", ex, predicted, answer)
         return self._json_response(ex, raw)  # relayed as the server wrote it
-
-    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: bytes,
-                                  on_abandon: Callable[[], None]) -> StreamAnswer:
-        """A gen stream opened by someone else's dispatch (generation_first), relayed as one client
-        stream from its token 0; a gen death mid-decode migrates it like any other (prefill again).
-        ``on_abandon`` runs if the stream ends unfinished (releases the lease)."""
-        gs = await self.open_gen_stream(ex, server, body, leased=True)
-        progress = Progress.for_body(ex.body, ex.chat)
-        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
-        phase = GenPhase(self, ex, ex.hint, progress, None, None, set(), token_ids=False, want_usage=include_usage)
-        source = OpenedSource(gs, phase, on_abandon)
-        relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
-                         ex.started_s + self._settings.request_timeout_s, include_usage)
-        return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)
 
     async def open_gen_stream(self, ex: Exchange, server: Server, body: bytes, leased: bool) -> GenStream:
         """POST a streaming gen request and wait for its first byte (``leased``: a generation_only

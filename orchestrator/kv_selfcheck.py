@@ -64,6 +64,9 @@ class HitSelfCheck:
         self._unindexed = Counter("pdserve_orchestrator_kv_unindexed_picks",
                                   "Self-checked picks of a server without a synced KV index (load-only)",
                                   ["pool"], registry=registry)
+        # Per pool, once: labels() validates and locks on every call, and record() runs per answer.
+        self._children = {pool: tuple(c.labels(pool=pool) for c in (self._prompt, self._reported, self._predicted,
+                                                                      self._unindexed)) for pool in self.pools}
 
     def predict(self, url: str, hint: RouteHint | None) -> int | None:
         """Hit tokens predicted on ``url`` for ``hint``; None: no synced index (or no token ids)."""
@@ -83,12 +86,13 @@ class HitSelfCheck:
         hits.prompt_tokens += hint.num_tokens
         hits.reported_hit_tokens += reported
         hits.predicted_hit_tokens += predicted or 0
-        self._prompt.labels(pool=pool).inc(hint.num_tokens)
-        self._reported.labels(pool=pool).inc(reported)
-        self._predicted.labels(pool=pool).inc(predicted or 0)
+        prompt, reported_c, predicted_c, unindexed = self._children[pool]
+        prompt.inc(hint.num_tokens)
+        reported_c.inc(reported)
+        predicted_c.inc(predicted or 0)
         if predicted is None:
             hits.unindexed += 1
-            self._unindexed.labels(pool=pool).inc()
+            unindexed.inc()
 
 
 def reported_hit(answer: object) -> int | None:

@@ -105,21 +105,33 @@ class GenPhase:
         from .disagg import KVSourceFailed
 
         assert self._lease is not None and self._params is not None
-        lease = self._lease
         try:
             return await self._open(self._gen_body(self._params), leased=True)
         except KVSourceFailed as err:
-            self._lease = None  # the ctx server lost it
-            self._failed_ctx.add(lease.ctx_url)
-            if len(self._failed_ctx) > self._flow._settings.max_retries:
-                raise OrchestratorError(503, f"generation phase failed: {err}", kind="gen_failed",
-                                        type_="service_unavailable") from None
-            log.warning("KV source failed (%s); prefilling the request again on another ctx server", err)
-            self._flow._metrics.retries.labels(pool="ctx").inc()
-            return await self._prefill_again()
+            return await self.kv_source_lost(str(err))
         except BaseException:
             self.abandon()  # no gen server took the lease
             raise
+
+    async def first_elsewhere(self, failed_url: str, failure: str) -> GenStream:
+        """The first stream after an attempt on ``failed_url`` (opened by someone else: the
+        generation_first dispatch) failed before its first byte, as ``failure`` says: another gen
+        server pulls the same lease. Raises OrchestratorError."""
+        self._exclude_gen, self._failures = {failed_url}, [failure]
+        return await self.first()
+
+    async def kv_source_lost(self, failure: str) -> GenStream:
+        """A gen server could not pull the lease (its ctx server lost it): prefill again on another
+        ctx server, up to ``max_retries`` ctx servers in all. Raises OrchestratorError."""
+        assert self._lease is not None
+        self._failed_ctx.add(self._lease.ctx_url)
+        self._lease = None  # the ctx server lost it
+        if len(self._failed_ctx) > self._flow._settings.max_retries:
+            raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
+                                    type_="service_unavailable") from None
+        log.warning("KV source failed (%s); prefilling the request again on another ctx server", failure)
+        self._flow._metrics.retries.labels(pool="ctx").inc()
+        return await self._prefill_again()
 
     async def _open(self, body: bytes, leased: bool) -> GenStream:
         flow, ex = self._flow, self._ex
@@ -165,31 +177,3 @@ class GenPhase:
                                             "movable": True}
         return jsonio.dumps(body)
 
-
-class OpenedSource:
-    """A :class:`orchestrator.relay.GenSource` whose first stream is already open (another dispatch
-    opened it); migrations go through ``phase``. ``on_abandon`` runs when the request ends
-    unfinished; a stream nobody relayed is closed then (which aborts the gen request)."""
-
-    def __init__(self, gs: GenStream, phase: GenPhase, on_abandon) -> None:
-        self._gs: GenStream | None = gs
-        self._phase, self._on_abandon = phase, on_abandon
-
-    async def first(self) -> GenStream:
-        gs, self._gs = self._gs, None
-        assert gs is not None, "first() called twice"
-        return gs
-
-    async def migrate(self, progress: Progress) -> GenStream:
-        return await self._phase.migrate(progress)
-
-    async def move(self, progress: Progress, moved: dict, source: "Server") -> GenStream:
-        return await self._phase.move(progress, moved, source)
-
-    def abandon(self) -> None:
-        if self._gs is not None:  # never relayed (the dispatch discarded it)
-            self._gs.stream.close()
-            self._gs.server.in_flight -= 1
-            self._gs = None
-        self._on_abandon()
-        self._phase.abandon()

@@ -17,6 +17,7 @@ client sees a chunk.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,9 +115,21 @@ class Progress:
 
     def first_chunk(self, text: str) -> dict:
         """The chunk the client gets at once (chat: it carries ``role: assistant``), with the ctx
-        answer's logprobs and (``continuous_usage_stats``) its usage."""
+        answer's logprobs and (``continuous_usage_stats``) its usage.
+
+        Without usage it is filled into the pydantic model's own dump of an empty first chunk
+        (:func:`_first_chunk_template`), which is what building and dumping the model gives, at a
+        tenth of the cost: this chunk is on every stream's path to its first byte."""
         assert self.head is not None
-        usage = Usage.model_validate(self.first_usage) if self.continuous_usage and self.first_usage else None
+        if not (self.continuous_usage and self.first_usage):
+            template = _first_chunk_template(self.chat)
+            choice = {**template["choices"][0], "logprobs": self.first_logprobs}
+            if self.chat:
+                choice["delta"] = {**choice["delta"], "content": text}
+            else:
+                choice["text"] = text
+            return {**template, **self.head, "choices": [choice]}
+        usage = Usage.model_validate(self.first_usage)
         if self.chat:
             return ChatCompletionChunk(**self.head, usage=usage, choices=[ChatChunkChoice(
                 delta=ChatDelta(role="assistant", content=text), logprobs=self.first_logprobs)]).model_dump(mode="json")
@@ -228,6 +241,17 @@ class Attempt:
         new = piece[max(self.p.sent_len - before, 0):]
         self.p._send(new)
         return new
+
+
+@functools.cache
+def _first_chunk_template(chat: bool) -> dict:
+    """The JSON dump of an empty first chunk (chat: ``role: assistant``), every default included."""
+    if chat:
+        model: ChatCompletionChunk | CompletionChunk = ChatCompletionChunk(
+            id="", created=0, model="", choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    else:
+        model = CompletionChunk(id="", created=0, model="", choices=[CompletionChunkChoice(text="")])
+    return model.model_dump(mode="json")
 
 
 def _has_items(lp: dict | None) -> bool:
