@@ -107,8 +107,10 @@ class GenerationFirstFlow(DisaggFlow):
             raise OrchestratorError(503, f"generation phase impossible: no ready gen server "
                                     f"({self._pools.not_ready_reason() or 'all tried'})", kind="gen_failed",
                                     type_="service_unavailable")
-        body = jsonio.dumps({**ex.body, "disaggregated_params": {
-            "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}})
+        params = {"request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}
+        if ex.stream and ex.parses:  # a stream is relayed (and parsed) here; a JSON answer is the server's own
+            params["raw_output"] = True
+        body = jsonio.dumps({**ex.body, "disaggregated_params": params})
         gen = GenAttempt(self, ex, gen_server, body)
         try:
             answer = await self._context_attempt(ex, ctx_server)

@@ -14,7 +14,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_serializer,
+                      model_validator)
+
+from pdserve.tool_protocol import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
 RequestType = Literal["context_only", "generation_only", "context_and_generation"]
 
@@ -99,6 +102,9 @@ class DisaggregatedParams(BaseModel):
         None, description="request side: a streamed answer carries each chunk's new output token ids in "
                           "`choices[0].token_ids` (the orchestrator strips them; it keeps them to migrate a stream)")
     ctx_url: CtxURL | None = Field(None, description="generation_first: the ctx server to wait on for the rest")
+    raw_output: StrictBool | None = Field(
+        None, description="request side: the caller assembles the client's text itself and parses tool calls and "
+                          "reasoning out of it (pdserve.output_parser); the server streams the text unparsed")
 
     @property
     def awaits_ctx(self) -> bool:
@@ -233,13 +239,33 @@ class _SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message of the history. ``content`` may be null only on an assistant message that
+    carries ``tool_calls``; a ``tool`` message answers the call named by ``tool_call_id``;
+    ``reasoning_content`` (an assistant's earlier thinking) reaches templates that read it."""
+
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_role(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only on an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        return self
 
     def text(self) -> str:
-        """The message text; list content must hold only ``{"type": "text", "text": ...}`` parts."""
+        """The message text ("" for null content); list content must hold only ``{"type": "text",
+        "text": ...}`` parts (ValueError otherwise)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -257,6 +283,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description="none | auto | required | {type: function, function: "
+                                           "{name}}; default auto with tools, none without")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's field: extra variables for the chat template (e.g. {\"enable_thinking\": false})")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -343,9 +374,27 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+def _drop_null_extras(data: dict) -> dict:
+    """Leave ``tool_calls`` / ``reasoning_content`` out of a message or delta when they are null, so
+    an answer without tools or reasoning is written exactly as before they existed."""
+    for key in ("tool_calls", "reasoning_content"):
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
 class ChatResponseMessage(BaseModel):
+    """The answer's message: ``content`` (null when the answer is only tool calls), ``tool_calls``
+    and ``reasoning_content`` (both left out when absent)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler) -> dict:
+        return _drop_null_extras(handler(self))
 
 
 class ChatChoice(BaseModel):
@@ -366,8 +415,17 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """One streamed delta; ``tool_calls`` holds OpenAI's partial calls (``index``; ``id``, ``type``
+    and ``function.name`` in a call's first delta; ``function.arguments`` fragments)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler) -> dict:
+        return _drop_null_extras(handler(self))
 
 
 class ChatChunkChoice(BaseModel):
@@ -434,6 +492,8 @@ class TokenizeChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
