@@ -73,6 +73,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
         logit_bias=body.token_bias(),
         logprobs=k,
         prompt_logprobs=k if not chat and body.echo else None,
+        structured_output=body.structured_output_spec(),
     )
 
 
