@@ -25,6 +25,7 @@ from engine.request import EngineRequest, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.structured_output import GrammarCompiler, GrammarError
 from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
                        broadcast_message)
@@ -87,6 +88,8 @@ class LLMEngine:
                                    make_connector(config.kv_connector, self.block_manager),
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
+        # structured output: the grammar library's view of the vocabulary is built on first use, once
+        self.grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, self.tokenizer.eos_token_ids)
         self._to_emit: dict[str, Sequence] = {}
         if self.tp.enabled:
             barrier(self.tp)
@@ -149,7 +152,13 @@ class LLMEngine:
                 req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         detok = IncrementalDetokenizer(self.tokenizer)
         chain = self.hasher.chain(req.cache_salt) if self.config.enable_prefix_caching else None
-        self.scheduler.add(Sequence(req, detok, chain))
+        seq = Sequence(req, detok, chain)
+        if req.sampling.structured_output is not None:  # GENERATION_ONLY's first tokens: at kv_ready
+            try:
+                seq.grammar = self.grammars.matcher(req.sampling.structured_output)
+            except GrammarError as e:
+                raise RequestValidationError(f"request {req.request_id}: {e}") from None
+        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks; the next step() reports it finished with "abort"."""

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import RequestValidationError
 from engine.request import RequestOutput
+from engine.structured_output import GrammarCompiler
 from executor.disconnect import unless_client_leaves
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.metrics import ServerMetrics
@@ -45,6 +46,7 @@ from executor.openai_adapter import (
 from pdserve.output_parser import ParsedDelta, output_parser
 from executor.logprobs_format import chat_logprobs, to_wire
 from executor.phases import PhaseAnswer, PhaseError, PhaseHandler
+from executor.structured_check import check_structured_output
 from pdserve import request_id
 from pdserve.api_keys import ApiKeyGuard, load_api_key
 from pdserve.asgi_guard import ErrorBoundary
@@ -96,6 +98,7 @@ class ServerState:
     kv_layouts: list[KVLayoutModel] = field(default_factory=list)  # every TP rank's layout (rank order)
     on_startup: list[Callable[[], None]] = field(default_factory=list)
     on_shutdown: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
+    grammars: GrammarCompiler | None = None  # structured output: specs compiled here first (400s)
 
 
 def map_error(err: BaseException) -> ApiError:
@@ -271,7 +274,9 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
             prompt = prompt_token_ids(body, state.client.tokenizer, state.vocab_size)
         check_length(len(prompt), state.client.max_model_len, "messages" if chat else "prompt")
         tools = request_tool_use(body)
-        params = sampling_params(body)
+        params = sampling_params(body, tools)
+        if state.grammars is not None:
+            await check_structured_output(state.grammars, body, params, disagg)
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"

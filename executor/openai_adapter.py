@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from executor.logprobs_format import (TokenNamer, chat_logprobs, completion_logprobs, from_wire, join_completion,
                                       prompt_first)
 from pdserve.chat_template import hf_messages, template_tools
+from pdserve.structured_output import StructuredOutputSpec
 from pdserve.output_parser import OutputParser
 from pdserve.tool_use import NO_TOOLS, ToolError, ToolUse, check_template_kwargs, tool_use
 from pdserve.protocol import (
@@ -50,9 +51,13 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def sampling_params(body: ChatCompletionRequest | CompletionRequest, tools: ToolUse = NO_TOOLS) -> SamplingParams:
     """The engine's sampling parameters for an OpenAI body. Raises :class:`BadRequest` for what
-    the schema accepts but this server cannot do (``best_of`` > 1, ``min_tokens`` > ``max_tokens``)."""
+    the schema accepts but this server cannot do (``best_of`` > 1, ``min_tokens`` > ``max_tokens``).
+
+    ``tools`` (:func:`request_tool_use`): a forced choice (``required``, a named function)
+    constrains the output to its call's JSON Schema (a structured-output spec, as
+    ``response_format`` would; the two together are a 400)."""
     chat = isinstance(body, ChatCompletionRequest)
     if not chat and body.best_of is not None and body.best_of > 1:
         raise BadRequest("best_of > 1 is not supported (each request returns the one choice it samples)", "best_of")
@@ -77,7 +82,18 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
         logit_bias=body.token_bias(),
         logprobs=k,
         prompt_logprobs=k if not chat and body.echo else None,
+        structured_output=_output_spec(body, tools),
     )
+
+
+def _output_spec(body: ChatCompletionRequest | CompletionRequest, tools: ToolUse) -> StructuredOutputSpec | None:
+    spec = body.structured_output_spec()
+    if tools.mode != "forced":
+        return spec
+    if spec is not None:
+        raise BadRequest("tool_choice required or a named function constrains the output to a call; it cannot be "
+                         "combined with response_format or guided_* fields", "tool_choice")
+    return StructuredOutputSpec(kind="json_schema", json_schema=tools.schema)
 
 
 def _temperature(value: float | None) -> float:

@@ -19,6 +19,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field
 
 from pdserve.tool_protocol import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
+from pdserve.structured_output import ResponseFormat, StructuredOutputSpec, StructuredOutputsParams, spec_of
+
 RequestType = Literal["context_only", "generation_only", "context_and_generation"]
 
 # Integer bounds of the wire: every integer a client sends fits a signed 64-bit word (OpenAI's
@@ -206,6 +208,13 @@ class _SamplingFields(BaseModel):
     prompt_cache_key: str | None = Field(None, max_length=4096)
     cache_salt: str | None = Field(None, min_length=1, max_length=4096, description="vLLM's field: requests with different "
                                    "salts never share prefix-cache blocks (e.g. one salt per tenant)")
+    response_format: ResponseFormat | None = Field(None, description="OpenAI's: text | json_object | json_schema")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's field: a JSON Schema the output matches")
+    guided_regex: str | None = Field(None, description="vLLM's field: a regex the whole output matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM's field: the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's field: a Lark grammar the output matches")
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="vLLM's newer form: one of json | regex | choice | grammar | json_object")
     disaggregated_params: DisaggregatedParams | None = None
 
     @field_validator("stop")
@@ -232,6 +241,17 @@ class _SamplingFields(BaseModel):
             if not key.isdigit() or int(key) > 2**31 - 1:
                 raise ValueError(f"logit_bias keys are token ids (decimal strings), got {key[:20]!r}")
         return v
+
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        self.structured_output_spec()  # raises ValueError (422) for two forms or a malformed payload
+        return self
+
+    def structured_output_spec(self) -> StructuredOutputSpec | None:
+        """The request's structured-output constraint (pdserve.structured_output.spec_of), or None.
+        Raises ValueError when the body carries more than one form or a malformed one."""
+        return spec_of(self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
+                       self.guided_grammar, self.structured_outputs)
 
     def token_bias(self) -> dict[int, float] | None:
         """``logit_bias`` keyed by int token id (None when empty)."""
