@@ -216,3 +216,46 @@ def test_bad_requests_are_400_on_the_server_too(clients):
                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}):
         with pytest.raises(openai.BadRequestError):
             answer(clients["colocated"], False, **kw)
+
+
+SHORT_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+                                                                                        "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_named_choice_gives_schema_valid_arguments_everywhere_the_same(clients, seed):
+    import jsonschema
+
+    kw = dict(tools=[SHORT_WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              temperature=1.0, seed=seed, max_tokens=60)
+    want = answer(clients["colocated"], False, **kw)  # a random model, held to the call's schema by the grammar
+    assert want["finish"] == "tool_calls" and want["content"] is None, want
+    (name, arguments), = want["calls"]
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), SHORT_WEATHER["function"]["parameters"])
+    for client in ("disagg", "colocated"):
+        for stream in (False, True):
+            assert answer(clients[client], stream, **kw) == want, (client, stream)
+
+
+def test_required_calls_one_of_the_tools(clients):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (SHORT_WEATHER, TIME)}
+    for seed in (4, 5):
+        got = answer(clients["disagg"], False, tools=[SHORT_WEATHER, TIME], tool_choice="required", temperature=1.0,
+                     seed=seed, max_tokens=60)
+        (name, arguments), = got["calls"]
+        assert got["finish"] == "tool_calls"
+        jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_a_forced_choice_with_response_format_is_a_400(clients):
+    with pytest.raises(openai.BadRequestError):
+        answer(clients["colocated"], False, tools=[SHORT_WEATHER], tool_choice="required",
+               response_format={"type": "json_object"})
