@@ -13,8 +13,8 @@ until it is decided, so a stream never shows text that later becomes a call.
 * :class:`ForcedCallParser` (``tool_choice`` required or named, :mod:`pdserve.tool_use`): the
   whole output is one call object (the grammar made it so).
 
-Content outside calls follows one rule in both: whitespace is held until non-whitespace text
-follows it; what is held at the end is dropped if a call was made, else sent. So the joined
+Content outside calls follows one rule in both: trailing whitespace is held until non-whitespace
+text follows it; what is held at the end is dropped if a call was made, else sent. So the joined
 stream equals the non-stream answer, which is built by the same code (:mod:`pdserve.output_parser`).
 """
 
@@ -43,11 +43,12 @@ class _Content:
         self._ws = ""
 
     def add(self, text: str) -> str:
+        """The text that may go out now: up to its last non-whitespace character (the whitespace
+        after it waits: it is dropped if a call comes next and nothing else does)."""
         self._ws += text
-        if self._ws.strip():
-            out, self._ws = self._ws, ""
-            return out
-        return ""
+        out = self._ws.rstrip()
+        self._ws = self._ws[len(out):]
+        return out
 
     def end(self, called: bool) -> str:
         out, self._ws = ("" if called else self._ws), ""
