@@ -9,7 +9,7 @@ until it is decided, so a stream never shows text that later becomes a call.
   format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of calls with
   text around them (as the Qwen2.5 chat template renders calls in the history). A tag whose body
   is not a call object (it does not start with ``{``, or is not JSON before the name is known) is
-  content, tags included. Whitespace-only text between and after calls is dropped.
+  content, tags included.
 * :class:`ForcedCallParser` (``tool_choice`` required or named, :mod:`pdserve.tool_use`): the
   whole output is one call object (the grammar made it so).
 

@@ -259,3 +259,23 @@ def test_a_forced_choice_with_response_format_is_a_400(clients):
     with pytest.raises(openai.BadRequestError):
         answer(clients["colocated"], False, tools=[SHORT_WEATHER], tool_choice="required",
                response_format={"type": "json_object"})
+
+
+@pytest.fixture(scope="module")
+def no_migration(tool_model_dir, cluster, tmp_path_factory):
+    """A second cluster with ``migration_limit: 0``: a non-streaming gen answer is relayed as the gen
+    server wrote it, so the gen server parses it (a stream is still assembled, and parsed, by the
+    orchestrator). It reuses ``cluster``'s forcing wrapper (same process)."""
+    c = ThreadedCluster.start(tool_model_dir, tmp_path_factory.mktemp("tools-nomig"),
+                              orchestrator={"migration_limit": 0},
+                              model={"tool_call_parser": "hermes", "reasoning_parser": "qwen3"})
+    yield openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    c.stop()
+
+
+def test_with_migration_off_the_gen_server_parses_its_json_answer(no_migration, script):
+    script(CALL_TEXT)
+    want = {"content": "Checking.", "reasoning": None, "finish": "tool_calls",
+            "calls": [("get_weather", '{"city": "Paris"}')]}
+    for stream in (False, True):
+        assert answer(no_migration, stream, tools=[WEATHER], extra_body=BIAS) == want, stream
