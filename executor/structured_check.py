@@ -2,8 +2,9 @@
 
 A spec the grammar library cannot compile is a 400 whose message is the library's reason; so is a
 ``generation_only`` request whose output so far (the ctx server's first tokens, or a migrated
-stream's tokens) the grammar does not allow. Compiling runs in a worker thread (the library drops
-the GIL; the first call also builds its view of the vocabulary), never on the event loop.
+stream's tokens) the grammar does not allow. Validating a grammar needs no vocabulary; replaying
+tokens does (the library's view of it is built once per process, ~1-2 s), so that runs in a
+worker thread, never on the event loop.
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ async def check_structured_output(compiler: GrammarCompiler, body, params: Sampl
     if disagg is not None and disagg.request_type == "generation_only" and not disagg.awaits_ctx:
         tokens = list(disagg.first_gen_tokens or [])
     try:
-        await asyncio.to_thread(compiler.matcher, spec, tokens)
+        compiler.compile(spec)  # no vocabulary needed: fast, and cached
+        if tokens:  # replaying them needs the vocabulary view (built once, ~1-2 s): off the event loop
+            await asyncio.to_thread(compiler.matcher, spec, tokens)
     except TokenRejected as err:
         raise BadRequest(str(err), "disaggregated_params.first_gen_tokens") from None
     except GrammarError as err:
