@@ -91,7 +91,7 @@ class LLMEngine:
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         # structured output: the grammar library's view of the vocabulary is built on first use, once
-        self.grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.tokenizer.eos_token_ids)
         self._to_emit: dict[str, Sequence] = {}
         self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:

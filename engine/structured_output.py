@@ -15,10 +15,12 @@ No torch here (the HTTP frontends validate specs with it); the masks become tens
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from pdserve.structured_output import StructuredOutputSpec
@@ -63,6 +65,34 @@ def grammar_text(spec: StructuredOutputSpec) -> str:
         return m.grammar_from_lark(spec.grammar)
     except ValueError as err:
         raise GrammarError(f"{spec.kind}: {err}") from None
+
+
+def serialized_tokenizer(tokenizer: Any) -> str:
+    """The ``tokenizer.json`` text of an ``engine.tokenizer.Tokenizer``, for the library.
+
+    Read from its source (an HF directory's file; a GGUF's metadata, rendered as
+    ``engine.gguf_tokenizer`` renders it for the fast tokenizer itself) where it can be, since the
+    fallback, the Rust tokenizer's ``to_str()``, holds the GIL for ~0.5-1 s and would stall every
+    other thread of the process (an HTTP frontend's event loop, the engine loop)."""
+    from engine.model_files import is_gguf
+
+    src = tokenizer.source
+    if src is not None and is_gguf(src):
+        from engine.gguf_reader import read_gguf
+        from engine.gguf_tokenizer import tokenizer_doc
+
+        try:
+            doc = tokenizer_doc(read_gguf(src)[0])
+        except ValueError:  # not GPT-2 style BPE: transformers converted it; serialize that
+            pass
+        else:  # iterencode: Python-level chunks (json.dumps is one C call holding the GIL ~0.5 s)
+            return "".join(json.JSONEncoder(ensure_ascii=False).iterencode(doc))
+    elif src is not None and (Path(src) / "tokenizer.json").is_file():
+        return (Path(src) / "tokenizer.json").read_text()
+    backend = copy.copy(tokenizer.hf.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 class GrammarMatcher:
@@ -110,14 +140,14 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Specs → matchers for one tokenizer; thread-safe; one per server process.
 
-    hf_tokenizer: a ``transformers`` fast tokenizer (``engine.tokenizer.Tokenizer.hf``; a GGUF's
-    embedded one is built as such by ``engine.gguf_tokenizer``); vocab_size: V, the logits width
-    (tokens the tokenizer lacks are never allowed); eos_token_ids: the engine's EOS ids.
+    tokenizer: an ``engine.tokenizer.Tokenizer`` (HF fast tokenizer; a GGUF's embedded one is built
+    as such by ``engine.gguf_tokenizer``); vocab_size: V, the logits width (tokens the tokenizer
+    lacks are never allowed); eos_token_ids: the engine's EOS ids.
     """
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
                  cache_size: int = CACHE_SIZE) -> None:
-        self._hf = hf_tokenizer
+        self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._cache: OrderedDict[str, str] = OrderedDict()
@@ -128,13 +158,14 @@ class GrammarCompiler:
         self._builder: threading.Thread | None = None
 
     def _build(self) -> None:
-        import llguidance.hf
+        import llguidance
 
-        eos = self._hf.eos_token_id
+        eos = self._source.hf.eos_token_id
         if eos is None and self.eos_token_ids:
             eos = min(self.eos_token_ids)
-        try:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=eos)
+        try:  # the constructor releases the GIL; serialized_tokenizer avoids a long hold
+            self._tokenizer = llguidance.LLTokenizer(serialized_tokenizer(self._source), n_vocab=self.vocab_size,
+                                                     eos_token=eos)
         finally:
             self._built.set()  # a failure too: tokenizer then raises in the caller's thread
 

@@ -273,7 +273,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         check_length(len(prompt), state.client.max_model_len, "messages" if chat else "prompt")
         params = sampling_params(body)
         if state.grammars is not None:
-            await check_structured_output(state.grammars, body, params, disagg)
+            check_structured_output(state.grammars, body, params)
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
