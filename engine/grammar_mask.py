@@ -9,6 +9,7 @@ the logits before it (engine.logprobs: the raw distribution).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,25 @@ class GrammarRows:
     allowed: torch.Tensor
 
 
+if sys.byteorder != "little":  # _unpack reads the library's int32 words byte by byte
+    raise ImportError("engine.grammar_mask assumes a little-endian host")
+
+_BITS: dict[torch.device, torch.Tensor] = {}  # per device: bool [256, 8], row b = the bits of byte b
+
+
+def _bit_table(device: torch.device) -> torch.Tensor:
+    if device not in _BITS:
+        _BITS[device] = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().to(device)
+    return _BITS[device]
+
+
 def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 bitmask [R, W] -> bool [R, vocab] (bit j of word w is token 32 w + j)."""
-    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
-    return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab].bool()
+    """int32 bitmask [R, W] -> bool [R, vocab] (bit j of word w is token 32 w + j).
+
+    One lookup of each byte in a 256-row table (little-endian words: byte b of word w holds tokens
+    32 w + 8 b .. + 7; x86 and CUDA devices are little-endian): no [R, W, 32] integer temporary."""
+    table = _bit_table(bits.device)
+    return table[bits.contiguous().view(torch.uint8).long()].view(bits.shape[0], -1)[:, :vocab]
 
 
 def fill_bitmask(matchers: list[GrammarMatcher], vocab: int) -> torch.Tensor:
@@ -49,7 +65,7 @@ def allowed_tokens(bits: torch.Tensor, matchers: list[GrammarMatcher], vocab: in
     for r, m in enumerate(matchers):
         others = [e for e in m.eos_token_ids if e != m.library_eos and e < vocab]
         if others:
-            allowed[r, others] = allowed[r, m.library_eos]
+            allowed[r, others] = allowed[r, m.library_eos].clone()
     return allowed
 
 

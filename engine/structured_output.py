@@ -15,10 +15,12 @@ No torch here (the HTTP frontends validate specs with it); the masks become tens
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from pdserve.structured_output import StructuredOutputSpec
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 # in training, and no free whitespace, so a sampled output cannot run on in blank lines.
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 CACHE_SIZE = 256  # compiled grammars kept per compiler (LRU)
+BUILD_TIMEOUT_S = 120.0  # the vocabulary view takes ~1-2 s; a build past this is a hung library
 
 
 class GrammarError(ValueError):
@@ -41,7 +44,7 @@ class TokenRejected(GrammarError):
 
 def _choice_lark(choices: tuple[str, ...]) -> str:
     """A Lark grammar whose language is exactly ``choices`` (JSON string literals are Lark's)."""
-    return "start: " + " | ".join(json.dumps(c) for c in choices)
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def grammar_text(spec: StructuredOutputSpec) -> str:
@@ -62,6 +65,34 @@ def grammar_text(spec: StructuredOutputSpec) -> str:
         return m.grammar_from_lark(spec.grammar)
     except ValueError as err:
         raise GrammarError(f"{spec.kind}: {err}") from None
+
+
+def serialized_tokenizer(tokenizer: Any) -> str:
+    """The ``tokenizer.json`` text of an ``engine.tokenizer.Tokenizer``, for the library.
+
+    Read from its source (an HF directory's file; a GGUF's metadata, rendered as
+    ``engine.gguf_tokenizer`` renders it for the fast tokenizer itself) where it can be, since the
+    fallback, the Rust tokenizer's ``to_str()``, holds the GIL for ~0.5-1 s and would stall every
+    other thread of the process (an HTTP frontend's event loop, the engine loop)."""
+    from engine.model_files import is_gguf
+
+    src = tokenizer.source
+    if src is not None and is_gguf(src):
+        from engine.gguf_reader import read_gguf
+        from engine.gguf_tokenizer import tokenizer_doc
+
+        try:
+            doc = tokenizer_doc(read_gguf(src)[0])
+        except ValueError:  # not GPT-2 style BPE: transformers converted it; serialize that
+            pass
+        else:  # iterencode: Python-level chunks (json.dumps is one C call holding the GIL ~0.5 s)
+            return "".join(json.JSONEncoder(ensure_ascii=False).iterencode(doc))
+    elif src is not None and (Path(src) / "tokenizer.json").is_file():
+        return (Path(src) / "tokenizer.json").read_text()
+    backend = copy.copy(tokenizer.hf.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 class GrammarMatcher:
@@ -109,37 +140,67 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Specs → matchers for one tokenizer; thread-safe; one per server process.
 
-    hf_tokenizer: a ``transformers`` fast tokenizer (``engine.tokenizer.Tokenizer.hf``; a GGUF's
-    embedded one is built as such by ``engine.gguf_tokenizer``); vocab_size: V, the logits width
-    (tokens the tokenizer lacks are never allowed); eos_token_ids: the engine's EOS ids.
+    tokenizer: an ``engine.tokenizer.Tokenizer`` (HF fast tokenizer; a GGUF's embedded one is built
+    as such by ``engine.gguf_tokenizer``); vocab_size: V, the logits width (tokens the tokenizer
+    lacks are never allowed); eos_token_ids: the engine's EOS ids.
     """
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
                  cache_size: int = CACHE_SIZE) -> None:
-        self._hf = hf_tokenizer
+        self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._tokenizer: Any = None
+        self._built = threading.Event()
+        self._builder: threading.Thread | None = None
+
+    def _build(self) -> None:
+        import llguidance
+
+        eos = self._source.hf.eos_token_id
+        if eos is None and self.eos_token_ids:
+            eos = min(self.eos_token_ids)
+        try:  # the constructor releases the GIL; serialized_tokenizer avoids a long hold
+            self._tokenizer = llguidance.LLTokenizer(serialized_tokenizer(self._source), n_vocab=self.vocab_size,
+                                                     eos_token=eos)
+        finally:
+            self._built.set()  # a failure too: tokenizer then raises in the caller's thread
+
+    def warm_up(self) -> None:
+        """Start building the library's view of the vocabulary in a thread this compiler owns (at
+        most one, ever; ~1-2 s for 49,152 tokens on one core): a caller that must not block polls
+        :meth:`wait_ready`. :meth:`close` joins it."""
+        with self._lock:
+            if self._builder is None and not self._built.is_set():
+                self._builder = threading.Thread(target=self._build, name="grammar-tokenizer", daemon=True)
+                self._builder.start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the vocabulary view is built, waiting at most ``timeout_s`` (after :meth:`warm_up`)."""
+        return self._built.wait(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Join the warm-up thread (it ends by itself once the build is done)."""
+        if self._builder is not None:
+            self._builder.join(timeout_s)
 
     @property
     def tokenizer(self) -> Any:
-        """llguidance's ``LLTokenizer`` for this vocabulary, built on first use (a pass over V tokens)."""
-        with self._lock:
-            if self._tokenizer is None:
-                import llguidance.hf
-
-                eos = self._hf.eos_token_id
-                if eos is None and self.eos_token_ids:
-                    eos = min(self.eos_token_ids)
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=eos)
-            return self._tokenizer
+        """llguidance's ``LLTokenizer`` for this vocabulary, built on first use (or by :meth:`warm_up`),
+        then shared. Raises RuntimeError when the build failed or ran past BUILD_TIMEOUT_S."""
+        self.warm_up()
+        if not self._built.wait(BUILD_TIMEOUT_S):
+            raise RuntimeError(f"building the grammar library's tokenizer took over {BUILD_TIMEOUT_S:.0f} s")
+        if self._tokenizer is None:
+            raise RuntimeError("building the grammar library's tokenizer failed (see the log)")
+        return self._tokenizer
 
     def compile(self, spec: StructuredOutputSpec) -> str:
         """The validated grammar of ``spec`` (cached by ``spec.key()``). Raises GrammarError with
-        the library's reason when it cannot compile it."""
+        the library's reason when it cannot compile it. Needs no vocabulary view (no wait for it)."""
         key = spec.key()
         with self._lock:
             if key in self._cache:
@@ -148,7 +209,7 @@ class GrammarCompiler:
         import llguidance
 
         text = grammar_text(spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
         if is_error:
             raise GrammarError(f"cannot compile the {spec.kind} constraint: {'; '.join(messages)}")
         with self._lock:

@@ -34,11 +34,13 @@ def _from_gguf(path: Path) -> Any:
 class Tokenizer:
     """encode/decode/apply_chat_template plus the EOS ids and vocabulary size.
 
-    `hf` is the underlying transformers tokenizer (save_pretrained writes its files).
+    `hf` is the underlying transformers tokenizer (save_pretrained writes its files); `source`:
+    the .gguf file or HF directory it was loaded from (None when built from an object).
     """
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int], source: Path | None = None):
         self.hf = hf_tokenizer
+        self.source = source
         ids = list(eos_token_ids)
         if hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in ids:
             ids.append(hf_tokenizer.eos_token_id)
@@ -56,7 +58,7 @@ class Tokenizer:
         else:
             hf = AutoTokenizer.from_pretrained(str(path))
             eos += [e for e in _generation_eos(path) if e not in eos]
-        return cls(hf, eos)
+        return cls(hf, eos, Path(path))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

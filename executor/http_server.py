@@ -276,7 +276,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         tools = request_tool_use(body)
         params = sampling_params(body, tools)
         if state.grammars is not None:
-            await check_structured_output(state.grammars, body, params, disagg)
+            check_structured_output(state.grammars, body, params)
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"

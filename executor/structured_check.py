@@ -1,18 +1,16 @@
 """Structured output checked at a server's HTTP frontend, before any engine work.
 
-A spec the grammar library cannot compile is a 400 whose message is the library's reason; so is a
-``generation_only`` request whose output so far (the ctx server's first tokens, or a migrated
-stream's tokens) the grammar does not allow. Compiling runs in a worker thread (the library drops
-the GIL; the first call also builds its view of the vocabulary), never on the event loop.
+A spec the grammar library cannot compile is a 400 whose message is the library's reason. Only
+the grammar is validated here (fast, cached, and it needs no view of the vocabulary, which would
+cost each frontend process ~1-2 s and, in part, the GIL); the engine replays a ``generation_only``
+request's output so far (the ctx server's first tokens, a migrated stream's tokens) through its
+matcher and ends the request with ``"abort"`` if the grammar refuses one (logged).
 """
 from __future__ import annotations
 
-import asyncio
-
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler, GrammarError, TokenRejected
+from engine.structured_output import GrammarCompiler, GrammarError
 from executor.openai_adapter import BadRequest
-from pdserve.protocol import DisaggregatedParams
 
 # the request fields that carry a spec (pdserve.structured_output.spec_of), for the error's param
 SPEC_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -23,20 +21,12 @@ def _spec_field(body) -> str | None:
     return next((f for f in SPEC_FIELDS if getattr(body, f, None) is not None), None)
 
 
-async def check_structured_output(compiler: GrammarCompiler, body, params: SamplingParams,
-                                  disagg: DisaggregatedParams | None) -> None:
-    """Compile ``params.structured_output`` (nothing to do without one) and replay the output
-    tokens a ``generation_only`` request already has (``body``: the OpenAI request, for the
-    error's ``param``). Raises :class:`BadRequest` (HTTP 400)."""
-    spec = params.structured_output
-    if spec is None:
+def check_structured_output(compiler: GrammarCompiler, body, params: SamplingParams) -> None:
+    """Compile ``params.structured_output`` (nothing to do without one; ``body``: the OpenAI
+    request, for the error's ``param``). Raises :class:`BadRequest` (HTTP 400)."""
+    if params.structured_output is None:
         return
-    tokens: list[int] = []
-    if disagg is not None and disagg.request_type == "generation_only" and not disagg.awaits_ctx:
-        tokens = list(disagg.first_gen_tokens or [])
     try:
-        await asyncio.to_thread(compiler.matcher, spec, tokens)
-    except TokenRejected as err:
-        raise BadRequest(str(err), "disaggregated_params.first_gen_tokens") from None
+        compiler.compile(params.structured_output)
     except GrammarError as err:
         raise BadRequest(str(err), _spec_field(body)) from None

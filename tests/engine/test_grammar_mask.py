@@ -19,7 +19,7 @@ def tok(tiny_engine):
 
 @pytest.fixture(scope="module")
 def compiler(tok) -> GrammarCompiler:
-    return GrammarCompiler(tok.hf, 49152, tok.eos_token_ids)
+    return GrammarCompiler(tok, 49152, tok.eos_token_ids)
 
 
 def allowed_ids(compiler: GrammarCompiler, matcher) -> list[int]:
@@ -42,7 +42,7 @@ def test_what_the_library_cannot_compile_is_a_grammar_error_that_says_why(compil
 
 
 def test_compiled_grammars_are_cached_by_spec(tok):
-    c = GrammarCompiler(tok.hf, 49152, tok.eos_token_ids, cache_size=2)
+    c = GrammarCompiler(tok, 49152, tok.eos_token_ids, cache_size=2)
     specs = [StructuredOutputSpec(kind="regex", regex=f"a{{{n}}}") for n in (1, 2, 3)]
     first = c.compile(specs[0])
     assert c.compile(StructuredOutputSpec(kind="regex", regex="a{1}")) is first  # an equal spec: the cache
@@ -62,7 +62,7 @@ def test_choice_allows_only_prefixes_of_the_choices(compiler, tok):
 
 def test_a_complete_choice_allows_only_eos(tok):
     eos = [2, 0]  # two EOS ids: the library knows one, the other shares its bit
-    c = GrammarCompiler(tok.hf, 49152, eos)
+    c = GrammarCompiler(tok, 49152, eos)
     m = c.matcher(CHOICE, tok.encode("yes"))
     assert m.stopped and m.accepting
     assert allowed_ids(c, m) == sorted(eos)

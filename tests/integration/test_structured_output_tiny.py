@@ -24,7 +24,17 @@ MESSAGES = [{"role": "user", "content": "Name a city as JSON."}]
 
 @pytest.fixture(scope="module")
 def clients(threaded_cluster) -> dict[str, openai.OpenAI]:
-    """``disagg``: the orchestrator; ``colocated``: the gen server by itself."""
+    """``disagg``: the orchestrator; ``colocated``: the gen server by itself.
+
+    Each process builds the grammar library's view of the vocabulary once (~1-2 s, part of it
+    holding the GIL); this cluster's servers and orchestrator share one process, so the build
+    can stall their health polls: it is done here, before the tests, then the cluster is ready again."""
+    for url in (threaded_cluster.server_url("ctx"), threaded_cluster.server_url("gen")):
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "x", "max_tokens": 2, "guided_choice": ["a"],
+            "disaggregated_params": None})
+        assert r.status_code == 200, r.text
+    threaded_cluster.wait_ready(60)
     return {name: openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
             for name, url in (("disagg", threaded_cluster.url), ("colocated", threaded_cluster.server_url("gen")))}
 
@@ -95,31 +105,35 @@ def test_guided_choice_and_regex_in_both_forms(clients, stream):
         assert len(text) == 7 and text[4] == "-" and (text[:4] + text[5:]).isdigit() and finish == "stop"
 
 
-def test_json_object_parses(clients):
-    """Random weights rarely close a free-form object within max_tokens: of the seeded runs that
-    stop, each parses as an object, and at least one stops."""
-    jobs = [(name, seed) for name in clients for seed in range(6)]
+def test_json_object_disagg_equals_colocated(clients):
+    """Random weights seldom close a free-form object within max_tokens (SmolLM2's answers parse:
+    the slow test), so here: seeded runs agree on both paths, start an object, and any that stops parses."""
+    jobs = [(name, seed) for name in clients for seed in range(3)]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        got = list(pool.map(lambda j: chat(clients[j[0]], False, temperature=1.0, seed=j[1],
+        got = list(pool.map(lambda j: chat(clients[j[0]], False, temperature=1.0, seed=j[1], max_tokens=32,
                                            response_format={"type": "json_object"}), jobs))
-    stopped = [text for text, finish in got if finish == "stop"]
-    assert stopped and all(isinstance(json.loads(t), dict) for t in stopped)
+    assert got[:3] == got[3:]
+    for text, finish in got:
+        assert text.startswith("{") and finish in ("stop", "length")
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_mask_on_and_off_identical_when_greedy_output_satisfies_the_grammar(clients, stream):
     off, finish = both(clients, completion, stream, max_tokens=6)
     assert finish == "length" and off.strip()
-    on = both(clients, completion, stream, max_tokens=6, extra_body={"guided_choice": [off, "zz" + off]})
-    assert on == (off, "stop")  # the same tokens; the grammar then allows only EOS
-    other = both(clients, completion, stream, max_tokens=6, extra_body={"guided_choice": ["zz" + off]})
+    # one token more: room for the EOS the grammar demands after the same 6 tokens
+    on = both(clients, completion, stream, max_tokens=7, extra_body={"guided_choice": [off, "zz" + off]})
+    assert on == (off, "stop")
+    other = both(clients, completion, stream, max_tokens=12, extra_body={"guided_choice": ["zz" + off]})
     assert other == ("zz" + off, "stop")  # negative control: the mask does steer
 
 
 def test_response_format_text_is_a_noop(clients):
-    for call in (chat, completion):
-        assert both(clients, call, False, max_tokens=8) == \
-            both(clients, call, False, max_tokens=8, response_format={"type": "text"})
+    text = {"type": "text"}
+    for call, kw in ((chat, {"response_format": text}), (completion, {"extra_body": {"response_format": text}})):
+        assert both(clients, call, False, max_tokens=8) == both(clients, call, False, max_tokens=8, **kw)
 
 
 def _engine_queries(url: str) -> float:
