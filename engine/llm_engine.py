@@ -25,6 +25,7 @@ from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepRes
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.structured_output import GrammarCompiler, GrammarError
 from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
                        broadcast_message)
@@ -33,6 +34,8 @@ from pdserve.block_hash import BlockHasher
 from pdserve.kv_events import KVEventBatch, KVSnapshot
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.01  # an idle step waits this long for the grammar library's vocabulary view
 
 
 class LLMEngine:
@@ -88,9 +91,12 @@ class LLMEngine:
                                    make_connector(config.kv_connector, self.block_manager),
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
+        # structured output: the grammar library's view of the vocabulary is built on first use, once
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.tokenizer.eos_token_ids)
         self._to_emit: dict[str, Sequence] = {}
         self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
         self.requests_moved_out = 0
+        self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:
             barrier(self.tp)
             self._plans = PlanBroadcaster(self.tp)
@@ -142,7 +148,8 @@ class LLMEngine:
 
         A request without a seed gets a random 63-bit one here: sampling is always keyed by
         (seed, choice, position), see engine.sampler."""
-        if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None:
+        if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None \
+                or any(s.request_id == req.request_id for s in self._grammar_wait):
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         validate_request(req, self.max_model_len, self.model_config.vocab_size)
         if req.phase is not Phase.CONTEXT_AND_GENERATION and self.scheduler.connector is None:
@@ -153,11 +160,50 @@ class LLMEngine:
                 req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         detok = IncrementalDetokenizer(self.tokenizer)
         chain = self.hasher.chain(req.cache_salt) if self.config.enable_prefix_caching else None
-        self.scheduler.add(Sequence(req, detok, chain))
+        seq = Sequence(req, detok, chain)
+        if req.sampling.structured_output is not None:  # GENERATION_ONLY's first tokens: at kv_ready
+            try:
+                self.grammars.compile(req.sampling.structured_output)  # cached; no vocabulary needed
+            except GrammarError as e:
+                raise RequestValidationError(f"request {req.request_id}: {e}") from None
+            self.grammars.warm_up()
+            if not self.grammars.wait_ready(0.0):  # the first one: the vocabulary view is being built
+                self._grammar_wait.append(seq)
+                return
+            self._attach_grammar(seq)
+        self.scheduler.add(seq)
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        try:
+            seq.grammar = self.grammars.matcher(seq.sampling.structured_output)
+        except GrammarError as e:
+            raise RequestValidationError(f"request {seq.request_id}: {e}") from None
+
+    def _admit_grammar_waiters(self) -> bool:
+        """Structured-output requests that waited for the grammar library's vocabulary view (built
+        in its own thread, off the step) join the scheduler once it is there; True when they did.
+        With nothing else to run, waits at most GRAMMAR_POLL_S for it instead of spinning."""
+        if not self._grammar_wait or not self.grammars.wait_ready(0.0 if self.scheduler.has_work() else GRAMMAR_POLL_S):
+            return False
+        for seq in self._grammar_wait:
+            try:
+                self._attach_grammar(seq)
+            except RequestValidationError as e:
+                log.warning("%s", e)
+                self._finish(seq, "abort")
+                continue
+            self.scheduler.add(seq)
+        self._grammar_wait.clear()
+        return True
 
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks; the next step() reports it finished with "abort"."""
         if self.scheduler.release_parked(request_id):
+            return
+        waiting = [s for s in self._grammar_wait if s.request_id == request_id]
+        if waiting:
+            self._grammar_wait.remove(waiting[0])
+            self._finish(waiting[0], "abort")
             return
         seq = self.scheduler.find(request_id)
         if seq is None:
@@ -222,7 +268,12 @@ class LLMEngine:
         return self.scheduler.release_parked(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._to_emit) or self.scheduler.has_work()
+        return bool(self._to_emit) or bool(self._grammar_wait) or self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Join the threads this engine owns (the grammar library's vocabulary build, if started)."""
+        if self.tp.is_driver:
+            self.grammars.close()
 
     def step(self, extra: object = None) -> StepResult:
         """Schedule, run the model once, apply the sampled tokens; return outputs and KV pulls
@@ -233,6 +284,7 @@ class LLMEngine:
         Raises RuntimeError when a follower died or stalled past the group's timeout.
         """
         self._require_driver()
+        admitted = self._admit_grammar_waiters()
         had_running = bool(self.scheduler.running)  # running sequences always run (or are preempted)
         batch = self.scheduler.schedule()
         pulls = batch.pulls
@@ -254,7 +306,7 @@ class LLMEngine:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         outputs = self._drain_outputs()
         # Nothing ran, was admitted or preempted: the scheduler's state is what it was before.
-        stalled = not (had_running or batch.items or pulls or outputs)
+        stalled = not (had_running or batch.items or pulls or outputs or admitted or self._grammar_wait)
         return StepResult(outputs=outputs, kv_pulls=pulls, stalled=stalled)
 
     # ---- tensor parallel ------------------------------------------------------------------

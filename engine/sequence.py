@@ -7,6 +7,7 @@ from enum import Enum, auto
 from engine.detokenizer import IncrementalDetokenizer
 from engine.logprobs import TokenLogprob
 from engine.request import EngineRequest, Phase
+from engine.structured_output import GrammarMatcher
 from pdserve.block_hash import HashChain
 
 
@@ -29,6 +30,9 @@ class Sequence:
     blocks count); num_cached_tokens is the hit of the first admission (None before it).
     source_block_hashes (GENERATION_ONLY): the ctx server's names of the prompt's full blocks, which
     the KV connector matches against this engine's cache so that only missing blocks are pulled.
+
+    grammar: the structured-output matcher (engine.structured_output) when sampling.structured_output
+    is set: it has consumed every output token, so after a preemption it needs nothing replayed.
 
     Logprobs: pending_logprobs runs beside pending_token_ids (sampling.logprobs set);
     prompt_logprobs grows as prefill chunks run (entry i: prompt token i, None for i = 0), so a
@@ -69,6 +73,7 @@ class Sequence:
         self.source_block_hashes = req.source_block_hashes  # GENERATION_ONLY: the sender's block names
         self.movable = req.movable
         self.kv_num_tokens = req.kv_num_tokens  # GENERATION_ONLY of a moved request: tokens the pull brings
+        self.grammar: GrammarMatcher | None = None  # set by the engine for a structured-output request
 
     def mark_admitted(self) -> None:
         """Record the queue time at the first admission (a preempted sequence keeps its first one)."""

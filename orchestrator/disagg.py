@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pdserve.config import OrchestratorSettings, Role
+from pdserve.output_parser import OutputParser, ReasoningParserName, ToolCallParserName, output_parser
+from pdserve.tool_use import NO_TOOLS, ToolUse
 
 from . import jsonio
 from .ctx_answer import parse_ctx_answer
@@ -81,6 +83,8 @@ class Exchange:
     started_s: float = field(default_factory=time.monotonic)
     hint: RouteHint | None = None  # what the routers know about the prompt (set by DisaggFlow.handle)
     colocated: bool = False        # runs both phases on one gen server (conditional disaggregation)
+    tools: ToolUse = NO_TOOLS      # what tools/tool_choice ask (checked at validation)
+    parses: bool = False           # chat text is parsed (reasoning, tool calls): relayed streams ask for raw text
 
     @property
     def stream(self) -> bool:
@@ -103,14 +107,16 @@ class DisaggFlow:
     """Runs :class:`Exchange` objects through ctx then gen; one instance per app.
 
     ``routers`` holds one router per pool. ``tokenizer`` gives prompt token ids when a router or
-    conditional disaggregation needs them (``None``: never needed).
+    conditional disaggregation needs them (``None``: never needed). ``parsers``: the model's
+    ``tool_call_parser`` and ``reasoning_parser`` (``model.*``), run on every stream relayed here.
     """
 
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
                  tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
                  dtype: str = "", selfcheck: HitSelfCheck | None = None,
-                 auth: dict[str, tuple[tuple[str, str], ...]] | None = None) -> None:
+                 auth: dict[str, tuple[tuple[str, str], ...]] | None = None,
+                 parsers: tuple[ToolCallParserName, ReasoningParserName] = ("none", "none")) -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -122,6 +128,7 @@ class DisaggFlow:
         self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
         self._selfcheck = selfcheck  # predicted vs reported prefix-cache hits (None: not kept)
         self._auth = auth or {}  # per pool: the Authorization header its servers require (pools.<role>.api_key_env)
+        self._parsers = parsers
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
         ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
@@ -150,6 +157,10 @@ class DisaggFlow:
         # As the servers' cache does: at most num_tokens - 1 tokens come from the cache.
         return min(predict(self._pools.gen, hint) * self._block_size, hint.num_tokens - 1)
 
+    def output_parser(self, ex: Exchange) -> OutputParser | None:
+        """A new parser of ``ex``'s answer text (None: the text is the client's as is)."""
+        return output_parser(ex.tools, *self._parsers) if ex.chat else None
+
     async def handle(self, ex: Exchange) -> Response:
         """The client's response. Raises :class:`OrchestratorError` (4xx relay, 503 when a phase fails)."""
         if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
@@ -157,6 +168,7 @@ class DisaggFlow:
                                     kind="gen_failed", type_="service_unavailable")
         if ex.body.get("seed") is None:  # one seed for every server the request meets
             ex.body = {**ex.body, "seed": secrets.randbits(63)}
+        ex.parses = self.output_parser(ex) is not None
         hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
@@ -232,7 +244,7 @@ class DisaggFlow:
         assembled from an internal stream. ``wrap``: the source the relay reads instead of the
         :class:`GenPhase` it is given (generation_first: a gen stream already requested). Raises
         OrchestratorError (non-stream only: a stream's failures after its first byte are error events)."""
-        progress = Progress.for_body(ex.body, ex.chat)
+        progress = Progress.for_body(ex.body, ex.chat, self.output_parser(ex))
         first = None
         if answer is not None:
             first = progress.take_ctx_answer(answer)

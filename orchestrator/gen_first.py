@@ -214,6 +214,8 @@ class GenerationFirstFlow(DisaggFlow):
         dp = {"request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}
         if ex.stream and self._settings.migration_limit:
             dp["stream_token_ids"] = True  # the relay keeps the output token ids (migration needs them)
+        if ex.stream and ex.parses:  # a stream is relayed (and parsed) here; a JSON answer is the server's own
+            dp["raw_output"] = True
         gen = await GenAttempt.send(self, ex, gen_server, jsonio.dumps({**ex.body, "disaggregated_params": dp}))
         try:
             answer = await self._context_attempt(ex, ctx_server)

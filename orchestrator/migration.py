@@ -168,12 +168,18 @@ class GenPhase:
               "first_gen_tokens": first}
         if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
             dp["stream_token_ids"] = dp["movable"] = True
+        if self._ex.parses:  # the relay parses the text it assembles
+            dp["raw_output"] = True
         return jsonio.dumps({**self._ex.body, **self._stream_fields(), "disaggregated_params": dp})
 
     def _colocated_body(self) -> bytes:
         body = {**self._ex.body, **self._stream_fields()}
-        if self._token_ids:
-            body["disaggregated_params"] = {"request_type": "context_and_generation", "stream_token_ids": True,
-                                            "movable": True}
+        if self._token_ids or self._ex.parses:
+            dp: dict[str, Any] = {"request_type": "context_and_generation"}
+            if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
+                dp["stream_token_ids"] = dp["movable"] = True
+            if self._ex.parses:
+                dp["raw_output"] = True
+            body["disaggregated_params"] = dp
         return jsonio.dumps(body)
 

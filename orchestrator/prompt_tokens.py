@@ -21,6 +21,8 @@ import time
 
 import httpx
 
+from pdserve.chat_template import hf_messages, template_tools
+
 from .pools import Pool
 from .token_cache import TokenCache
 
@@ -59,27 +61,21 @@ class LoadedTokenizer:
         return ids
 
     def prompt_ids(self, endpoint: str, body: dict) -> list[int]:
-        """Token ids of a validated client body (chat template for chat bodies); read-only (the
-        list may be the body's own token-id prompt or a cached one)."""
+        """Token ids of a validated client body (chat template for chat bodies, with its ``tools`` and
+        ``chat_template_kwargs``, as the servers render it: :mod:`pdserve.chat_template`); read-only
+        (the list may be the body's own token-id prompt or a cached one)."""
         if endpoint.endswith("/chat/completions"):
             if self._template is None:
                 raise ValueError("the model has no chat template")
-            messages = [{"role": m["role"], "content": _text(m.get("content"))} for m in body["messages"]]
-            text = self._template.render(messages=messages, add_generation_prompt=body.get("add_generation_prompt", True),
-                                         **self._special)
+            text = self._template.render(**{**(body.get("chat_template_kwargs") or {}), **self._special},
+                                         messages=hf_messages(body["messages"]),
+                                         tools=template_tools(body.get("tools")),
+                                         add_generation_prompt=body.get("add_generation_prompt", True))
             return self.encode(text)
         prompt = body["prompt"]
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             return prompt  # read, never changed, by the routers
         return self.encode(prompt if isinstance(prompt, str) else str(prompt))
-
-
-def _text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
 
 
 def _prompt_chars(body: dict) -> int:

