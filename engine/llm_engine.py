@@ -15,17 +15,18 @@ from engine.choices import Families, fork
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
-from engine.kv_connector import make_connector
+from engine.kv_connector import MOVED, make_connector
 from engine.kv_event_log import KVEventLog
 from engine.kv_memory import allocate_kv_cache
 from engine.kv_sizing import resolve_num_kv_blocks
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.request import EngineRequest, Phase, RequestOutput, StepResult
+from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.structured_output import GrammarCompiler, GrammarError
 from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
                        broadcast_message)
@@ -34,6 +35,8 @@ from pdserve.block_hash import BlockHasher
 from pdserve.kv_events import KVEventBatch, KVSnapshot
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.01  # an idle step waits this long for the grammar library's vocabulary view
 
 
 class LLMEngine:
@@ -89,10 +92,15 @@ class LLMEngine:
                                    make_connector(config.kv_connector, self.block_manager),
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
+        # structured output: the grammar library's view of the vocabulary is built on first use, once
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.tokenizer.eos_token_ids)
         self._to_emit: dict[tuple[str, int], Sequence] = {}  # (request id, choice index) -> sequence
         self.prefill_tokens = 0  # prompt tokens computed (not cached, not pulled); a recompute counts again
+        self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
+        self.requests_moved_out = 0
         self.families = Families()  # n > 1 requests after their fork (engine.choices)
         self._pending_copies: list[tuple[int, int]] = []  # fork block copies the TP followers still owe
+        self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:
             barrier(self.tp)
             self._plans = PlanBroadcaster(self.tp)
@@ -117,6 +125,7 @@ class LLMEngine:
         :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
                 "prefill_tokens": self.prefill_tokens,
+                "tokens_computed": self.tokens_computed, "requests_moved_out": self.requests_moved_out,
                 **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
 
     def memory_stats(self) -> dict[str, int]:
@@ -157,15 +166,55 @@ class LLMEngine:
                 req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         detok = IncrementalDetokenizer(self.tokenizer)
         chain = self.hasher.chain(req.cache_salt) if self.config.enable_prefix_caching else None
-        self.scheduler.add(Sequence(req, detok, chain))
+        seq = Sequence(req, detok, chain)
+        if req.sampling.structured_output is not None:  # GENERATION_ONLY's first tokens: at kv_ready
+            try:
+                self.grammars.compile(req.sampling.structured_output)  # cached; no vocabulary needed
+            except GrammarError as e:
+                raise RequestValidationError(f"request {req.request_id}: {e}") from None
+            self.grammars.warm_up()
+            if not self.grammars.wait_ready(0.0):  # the first one: the vocabulary view is being built
+                self._grammar_wait.append(seq)
+                return
+            self._attach_grammar(seq)
+        self.scheduler.add(seq)
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        try:
+            seq.grammar = self.grammars.matcher(seq.sampling.structured_output)
+        except GrammarError as e:
+            raise RequestValidationError(f"request {seq.request_id}: {e}") from None
+
+    def _admit_grammar_waiters(self) -> bool:
+        """Structured-output requests that waited for the grammar library's vocabulary view (built
+        in its own thread, off the step) join the scheduler once it is there; True when they did.
+        With nothing else to run, waits at most GRAMMAR_POLL_S for it instead of spinning."""
+        if not self._grammar_wait or not self.grammars.wait_ready(0.0 if self.scheduler.has_work() else GRAMMAR_POLL_S):
+            return False
+        for seq in self._grammar_wait:
+            try:
+                self._attach_grammar(seq)
+            except RequestValidationError as e:
+                log.warning("%s", e)
+                self._finish(seq, "abort")
+                continue
+            self.scheduler.add(seq)
+        self._grammar_wait.clear()
+        return True
 
     def _in_use(self, request_id: str) -> bool:
         return (request_id in self.families or self.scheduler.find(request_id) is not None
-                or any(rid == request_id for rid, _ in self._to_emit))
+                or any(rid == request_id for rid, _ in self._to_emit)
+                or any(s.request_id == request_id for s in self._grammar_wait))
 
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks (every choice's); the next step() reports it finished with "abort"."""
         if self.scheduler.release_parked(request_id):
+            return
+        waiting = [s for s in self._grammar_wait if s.request_id == request_id]
+        if waiting:
+            self._grammar_wait.remove(waiting[0])
+            self._finish(waiting[0], "abort")
             return
         family = self.families.members(request_id)
         if family is None:
@@ -205,14 +254,45 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
                 return
+        if seq.kv_num_tokens is not None:  # moved: the pull brought the first tokens' KV too, all but the last
+            seq.num_computed = seq.kv_num_tokens
+            self.scheduler.cache_computed(seq)
         self._to_emit[(request_id, seq.index)] = seq
+
+    def move_out(self) -> list[str]:
+        """Drain by moving KV: stop every movable request that sits at a decode step boundary (its
+        last sampled token not computed yet, nothing pending for its caller) and park its blocks for
+        another engine to pull. Each such request finishes with reason ``"moved"`` in the next
+        :meth:`step`'s outputs, carrying :class:`engine.request.MovedKV`; its blocks stay allocated
+        until :meth:`release_parked` (or :meth:`abort_request`). Requests not in decode yet (waiting,
+        pulling, prefilling) are left alone: call again after later steps. Returns the ids moved."""
+        if self.scheduler.connector is None:
+            return []
+        moved = []
+        for seq in list(self.scheduler.running):
+            # n > 1 choices are never movable (engine.validation): a drain waits for them
+            if not seq.movable or not seq.in_decode or (seq.request_id, seq.index) in self._to_emit:
+                continue
+            if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
+                continue
+            seq.moved = MovedKV(list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
+                                seq.block_hashes()[:seq.num_computed // self.config.block_size])
+            self._finish(seq, MOVED)
+            moved.append(seq.request_id)
+        self.requests_moved_out += len(moved)
+        return moved
 
     def release_parked(self, request_id: str) -> bool:
         """Free a CONTEXT_ONLY request's handed-off blocks. False if it holds none."""
         return self.scheduler.release_parked(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._to_emit) or self.scheduler.has_work()
+        return bool(self._to_emit) or bool(self._grammar_wait) or self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Join the threads this engine owns (the grammar library's vocabulary build, if started)."""
+        if self.tp.is_driver:
+            self.grammars.close()
 
     def step(self, extra: object = None) -> StepResult:
         """Schedule, run the model once, apply the sampled tokens; return outputs and KV pulls
@@ -223,6 +303,7 @@ class LLMEngine:
         Raises RuntimeError when a follower died or stalled past the group's timeout.
         """
         self._require_driver()
+        admitted = self._admit_grammar_waiters()
         had_running = bool(self.scheduler.running)  # running sequences always run (or are preempted)
         batch = self.scheduler.schedule()
         pulls = batch.pulls
@@ -238,6 +319,7 @@ class LLMEngine:
             for seq, k in batch.items:
                 self.prefill_tokens += max(0, min(seq.num_computed + k, seq.num_prompt_tokens) - seq.num_computed)
                 seq.num_computed += k
+                self.tokens_computed += k
                 self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
                 picks = sampled.get((seq.request_id, seq.index))
                 if picks is not None and len(picks) > 1:
@@ -248,7 +330,7 @@ class LLMEngine:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         outputs = self._drain_outputs()
         # Nothing ran, was admitted or preempted: the scheduler's state is what it was before.
-        stalled = not (had_running or batch.items or pulls or outputs)
+        stalled = not (had_running or batch.items or pulls or outputs or admitted or self._grammar_wait)
         return StepResult(outputs=outputs, kv_pulls=pulls, stalled=stalled)
 
     # ---- tensor parallel ------------------------------------------------------------------
@@ -354,7 +436,9 @@ class LLMEngine:
         outputs = []
         for seq in self._to_emit.values():
             parked = list(seq.block_ids) if seq.parked else None
-            outputs.append(self.output_processor.take_output(seq, parked))
+            out = self.output_processor.take_output(seq, parked)
+            out.moved = seq.moved
+            outputs.append(out)
         self._to_emit.clear()
         return self.families.settle(outputs)
 

@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention_meta import build_metadata
+from engine.grammar_mask import grammar_rows
 from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model import LlamaModel
 from engine.sampler import Sampler
@@ -168,7 +169,9 @@ class ModelRunner:
         if any(sp.processed for sp in params):
             history = [(s.token_ids[:s.num_prompt_tokens] if s.sampling.repetition_penalty != 1.0 else [],
                         s.output_token_ids if s.sampling.processed else []) for s in seqs]
-        ids = self.sampler.sample_ids(logits, params, [s.num_output_tokens for s in seqs], choices, history)
+        # n > 1: a sequence about to fork has n rows here, all under its one grammar state (no token yet)
+        grammar = grammar_rows([s.grammar for s in seqs], logits.shape[-1], logits.device)
+        ids = self.sampler.sample_ids(logits, params, [s.num_output_tokens for s in seqs], choices, history, grammar)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         if want:

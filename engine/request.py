@@ -34,7 +34,8 @@ class EngineRequest:
     num_cached_tokens come with :meth:`engine.llm_engine.LLMEngine.kv_ready`.
     n: choices (OpenAI's ``n``): one prefill, then n decodes forked from it (engine.choices).
     GENERATION_ONLY with n > 1: first_token_ids (and first_token_logprobs) hold one token per
-    choice, in choice order (what the ctx server sampled for each), not consecutive tokens.
+    choice, in choice order (what the ctx server sampled for each), not consecutive tokens. An
+    n > 1 request is neither ``movable`` nor moved (``kv_num_tokens``): engine.validation refuses both.
     """
 
     request_id: str
@@ -49,6 +50,25 @@ class EngineRequest:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_tokens_later: bool = False
     n: int = 1
+    movable: bool = False
+    kv_num_tokens: int | None = None
+
+
+@dataclass
+class MovedKV:
+    """What a request moved off a draining engine leaves for its next server (finish reason ``"moved"``).
+
+    token_ids: prompt + every output token so far; the KV of the first ``kv_num_tokens`` of them
+    (``len(token_ids) - 1``: the last sampled token has no KV yet) sits in the parked blocks
+    (``RequestOutput.parked_block_ids``, token order, the last one partial). block_hashes: the
+    :mod:`pdserve.block_hash` names of the full blocks among them (partial pulls; [] without a
+    prefix cache).
+    """
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    kv_num_tokens: int
+    block_hashes: list[bytes]
 
 
 @dataclass
@@ -64,7 +84,8 @@ class RequestOutput:
     ``usage.prompt_tokens_details.cached_tokens``; 0 until admitted). new_logprobs: one per
     new_token_ids entry when sampling.logprobs is set, else None. prompt_logprobs (sampling.
     prompt_logprobs set): one per prompt token (None for the first), on the first output that
-    carries output tokens, else None.
+    carries output tokens, else None. moved: set on the final output of a request moved off this
+    engine (finish reason ``"moved"``, blocks parked; never an n > 1 request: those are not movable).
 
     n > 1 (EngineRequest.n): each output belongs to one choice, ``index``; ``finish_reason`` and
     ``num_output_tokens`` are that choice's, and ``finished`` marks the request's last output
@@ -85,6 +106,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0
+    moved: MovedKV | None = None
 
 
 @dataclass

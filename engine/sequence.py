@@ -9,6 +9,7 @@ from enum import Enum, auto
 from engine.detokenizer import IncrementalDetokenizer
 from engine.logprobs import TokenLogprob
 from engine.request import EngineRequest, Phase
+from engine.structured_output import GrammarMatcher
 from pdserve.block_hash import HashChain
 
 
@@ -31,6 +32,9 @@ class Sequence:
     blocks count); num_cached_tokens is the hit of the first admission (None before it).
     source_block_hashes (GENERATION_ONLY): the ctx server's names of the prompt's full blocks, which
     the KV connector matches against this engine's cache so that only missing blocks are pulled.
+
+    grammar: the structured-output matcher (engine.structured_output) when sampling.structured_output
+    is set: it has consumed every output token, so after a preemption it needs nothing replayed.
 
     Logprobs: pending_logprobs runs beside pending_token_ids (sampling.logprobs set);
     prompt_logprobs grows as prefill chunks run (entry i: prompt token i, None for i = 0), so a
@@ -65,6 +69,7 @@ class Sequence:
         self.prompt_logprobs_reported = False
         self.finish_reason: str | None = None
         self.parked = False
+        self.moved = None  # engine.request.MovedKV once moved off a draining engine
         self.arrival_s = time.monotonic()
         self.queue_time_s: float | None = None   # arrival → first admitted (blocks allocated)
         self.queue_time_reported = False
@@ -73,6 +78,9 @@ class Sequence:
         self.num_cached_tokens: int | None = (req.num_cached_tokens
                                               if req.phase is Phase.GENERATION_ONLY else None)
         self.source_block_hashes = req.source_block_hashes  # GENERATION_ONLY: the sender's block names
+        self.movable = req.movable
+        self.kv_num_tokens = req.kv_num_tokens  # GENERATION_ONLY of a moved request: tokens the pull brings
+        self.grammar: GrammarMatcher | None = None  # set by the engine for a structured-output request
         self.index = 0
         self.n = req.n
         self.keep_blocks = False
@@ -80,7 +88,8 @@ class Sequence:
     def child(self, index: int, detokenizer: IncrementalDetokenizer) -> "Sequence":
         """Choice ``index`` forked from this sequence before its first output token: the same
         prompt, computed tokens, prompt logprobs and timings; no blocks (the fork gives them), its
-        own detokenizer and hash chain. The queue time is reported by choice 0 only."""
+        own detokenizer, hash chain and structured-output matcher (a copy of this one's state: no
+        token consumed yet). The queue time is reported by choice 0 only."""
         if self.num_output_tokens:
             raise ValueError(f"request {self.request_id}: a fork needs a sequence without output tokens")
         c = copy.copy(self)
@@ -93,6 +102,8 @@ class Sequence:
             c.prompt_logprobs = list(self.prompt_logprobs)
         if self.hash_chain is not None:
             c.hash_chain = dataclasses.replace(self.hash_chain, hashes=list(self.hash_chain.hashes))
+        if self.grammar is not None:
+            c.grammar = self.grammar.fork()
         c.queue_time_reported = True
         return c
 
@@ -112,6 +123,18 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def kv_source_tokens(self) -> list[int]:
+        """GENERATION_ONLY before its KV landed: the tokens whose KV the sender holds (the prompt, or
+        for a moved request prompt + first_token_ids but the last: ``kv_num_tokens`` of them)."""
+        if self.kv_num_tokens is None:
+            return list(self.token_ids)
+        return self.token_ids + self.first_token_ids[:self.kv_num_tokens - self.num_tokens]
+
+    @property
+    def in_decode(self) -> bool:
+        """Has output and exactly its last sampled token left to compute: a step boundary of decode."""
+        return self.num_output_tokens > 0 and self.num_computed == self.num_tokens - 1
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,9 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
         raise RequestValidationError(f"request {req.request_id}: {e}") from e
     first = req.first_token_ids
     _validate_choices(req, phase, max_model_len)
+    if req.kv_num_tokens is not None and (phase is not Phase.GENERATION_ONLY or req.first_tokens_later):
+        raise RequestValidationError(f"request {req.request_id}: kv_num_tokens only goes with GENERATION_ONLY "
+                                     "and its first tokens")
     if phase is Phase.GENERATION_ONLY and req.first_tokens_later:
         if first:
             raise RequestValidationError(
@@ -42,16 +45,23 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
         if p + (len(first) if req.n == 1 else 1) > max_model_len:
             raise RequestValidationError(
                 f"request {req.request_id}: prompt + first tokens exceed max_model_len")
+        if req.kv_num_tokens is not None and not p <= req.kv_num_tokens <= p + len(first) - 1:
+            raise RequestValidationError(
+                f"request {req.request_id}: kv_num_tokens {req.kv_num_tokens} outside [prompt {p}, "
+                f"prompt + first tokens - 1 = {p + len(first) - 1}]")
     elif first:
         raise RequestValidationError(
             f"request {req.request_id}: first_token_ids only go with GENERATION_ONLY")
 
 
 def _validate_choices(req: EngineRequest, phase: Phase, max_model_len: int) -> None:
-    """n in [1, MAX_CHOICES]; a GENERATION_ONLY request with n > 1 brings one first token per choice
+    """n in [1, MAX_CHOICES]; n > 1 is neither movable nor a moved request's pull; a GENERATION_ONLY request with n > 1 brings one first token per choice
     (not later: generation_first does not fork)."""
     if not 1 <= req.n <= MAX_CHOICES:
         raise RequestValidationError(f"request {req.request_id}: n must be in [1, {MAX_CHOICES}], got {req.n}")
+    if req.n > 1 and (req.movable or req.kv_num_tokens is not None):
+        raise RequestValidationError(f"request {req.request_id}: an n > 1 request cannot be moved (drain "
+                                     "move_kv moves n = 1 requests; the engine waits for this one)")
     if req.n == 1 or phase is not Phase.GENERATION_ONLY:
         return
     if req.first_tokens_later:

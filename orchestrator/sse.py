@@ -30,10 +30,9 @@ def answer_to_events(answer: dict, chat: bool, include_usage: bool, continuous_u
     for i, choice in enumerate(answer["choices"]):
         index, finish, logprobs = choice.get("index", i), choice.get("finish_reason"), choice.get("logprobs")
         if chat:
-            text = (choice.get("message") or {}).get("content") or ""
             chunks += [
                 ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(
-                    index=index, delta=ChatDelta(role="assistant", content=text), logprobs=logprobs)]),
+                    index=index, delta=_whole_delta(choice.get("message") or {}), logprobs=logprobs)]),
                 ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(
                     index=index, delta=ChatDelta(), finish_reason=finish)]),
             ]
@@ -44,6 +43,16 @@ def answer_to_events(answer: dict, chat: bool, include_usage: bool, continuous_u
         cls = ChatCompletionChunk if chat else CompletionChunk
         chunks.append(cls(**head, choices=[], usage=full))
     return [sse_event(c) for c in chunks] + [SSE_DONE]
+
+
+def _whole_delta(message: dict) -> ChatDelta:
+    """One delta holding a whole answer message: its content, reasoning and calls (with their indexes)."""
+    calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls") or [])] or None
+    reasoning = message.get("reasoning_content")
+    content = message.get("content")
+    if content is None and calls is None and reasoning is None:
+        content = ""
+    return ChatDelta(role="assistant", content=content, reasoning_content=reasoning, tool_calls=calls)
 
 
 def error_events(message: str, type_: str = "upstream_error", code: int = 502) -> list[bytes]:

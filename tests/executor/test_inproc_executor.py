@@ -15,11 +15,8 @@ from executor.inproc_executor import InProcessExecutor
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from engine.tiny import make_tiny_llama
-
-    path = make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=4, num_threads=1))
+def engine(tiny_model_dir):
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4, num_threads=1))
 
 
 def req(rid: str, n: int = 8) -> EngineRequest:

@@ -115,6 +115,18 @@ def test_refusals(clients):
         clients["disagg"].completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=17)
 
 
+def test_an_n_choices_request_is_not_movable(threaded_cluster):
+    """Drain move_kv moves n = 1 streams only: a server refuses a movable n > 1 request (the
+    orchestrator never sends one; a drain waits for it)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2, "stream": True,
+            "disaggregated_params": {"request_type": "context_and_generation", "movable": True,
+                                     "stream_token_ids": True}}
+    r = httpx.post(threaded_cluster.server_url("gen") + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = httpx.post(threaded_cluster.server_url("gen") + "/v1/completions", json={**body, "n": 1}, timeout=30)
+    assert r.status_code == 200 and "[DONE]" in r.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_each_choice_stops_on_its_own_stop_string(clients, stream):
     free = completions(clients["disagg"], False, max_tokens=16)["texts"]
