@@ -64,7 +64,7 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         plain = weights(dtype)
         nbytes = sum(w.numel() * w.element_size() for w in plain)
-        packed = [pack_weight(w, batch_hint=1) for w in plain]
+        packed = [pack_weight(w) for w in plain]
         for rows in a.rows:
             base, fast = step_ms(plain, rows, dtype, a.steps), step_ms(packed, rows, dtype, a.steps)
             print(f"| {str(dtype).removeprefix('torch.')} | {rows} | {base:.1f} | {fast:.1f} | "

@@ -21,6 +21,12 @@ def tokenizer_json(meta: dict[str, Any]) -> str:
 
     Raises ValueError for other tokenizer models (callers fall back to transformers).
     """
+    return json.dumps(tokenizer_doc(meta), ensure_ascii=False)
+
+
+def tokenizer_doc(meta: dict[str, Any]) -> dict[str, Any]:
+    """:func:`tokenizer_json` as the JSON document (a dict) before it is written out.
+    Raises ValueError as :func:`tokenizer_json`."""
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"no fast path for GGUF tokenizer {meta.get('tokenizer.ggml.model')!r}")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -46,7 +52,7 @@ def tokenizer_json(meta: dict[str, Any]) -> str:
                   "vocab": {t: i for i, t in enumerate(tokens)},
                   "merges": [m.split(" ", 1) for m in meta["tokenizer.ggml.merges"]]},
     }
-    return json.dumps(doc, ensure_ascii=False)
+    return doc
 
 
 def _token(meta: dict[str, Any], key: str) -> str | None:

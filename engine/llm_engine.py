@@ -14,17 +14,18 @@ from engine.block_manager import BlockManager
 from engine.config import check_engine_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
-from engine.kv_connector import make_connector
+from engine.kv_connector import MOVED, make_connector
 from engine.kv_event_log import KVEventLog
 from engine.kv_memory import allocate_kv_cache
 from engine.kv_sizing import resolve_num_kv_blocks
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.request import EngineRequest, Phase, RequestOutput, StepResult
+from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.structured_output import GrammarCompiler, GrammarError
 from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
                        broadcast_message)
@@ -34,6 +35,8 @@ from pdserve.config import EngineSettings
 from pdserve.kv_events import KVEventBatch, KVSnapshot
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.01  # an idle step waits this long for the grammar library's vocabulary view
 
 
 class LLMEngine:
@@ -103,7 +106,12 @@ class LLMEngine:
                                    make_connector(kv_connector, self.block_manager),
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
+        # structured output: the grammar library's view of the vocabulary is built on first use, once
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.tokenizer.eos_token_ids)
         self._to_emit: dict[str, Sequence] = {}
+        self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
+        self.requests_moved_out = 0
+        self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:
             barrier(self.tp)
             self._plans = PlanBroadcaster(self.tp)
@@ -125,6 +133,7 @@ class LLMEngine:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
         included), ``total_blocks``, :meth:`memory_stats`, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
+                "tokens_computed": self.tokens_computed, "requests_moved_out": self.requests_moved_out,
                 **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
 
     def memory_stats(self) -> dict[str, int]:
@@ -154,7 +163,8 @@ class LLMEngine:
 
         A request without a seed gets a random 63-bit one here: sampling is always keyed by
         (seed, choice, position), see engine.sampler."""
-        if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None:
+        if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None \
+                or any(s.request_id == req.request_id for s in self._grammar_wait):
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         validate_request(req, self.max_model_len, self.model_config.vocab_size)
         if req.phase is not Phase.CONTEXT_AND_GENERATION and self.scheduler.connector is None:
@@ -165,11 +175,50 @@ class LLMEngine:
                 req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         detok = IncrementalDetokenizer(self.tokenizer)
         chain = self.hasher.chain(req.cache_salt) if self.config.enable_prefix_caching else None
-        self.scheduler.add(Sequence(req, detok, chain))
+        seq = Sequence(req, detok, chain)
+        if req.sampling.structured_output is not None:  # GENERATION_ONLY's first tokens: at kv_ready
+            try:
+                self.grammars.compile(req.sampling.structured_output)  # cached; no vocabulary needed
+            except GrammarError as e:
+                raise RequestValidationError(f"request {req.request_id}: {e}") from None
+            self.grammars.warm_up()
+            if not self.grammars.wait_ready(0.0):  # the first one: the vocabulary view is being built
+                self._grammar_wait.append(seq)
+                return
+            self._attach_grammar(seq)
+        self.scheduler.add(seq)
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        try:
+            seq.grammar = self.grammars.matcher(seq.sampling.structured_output)
+        except GrammarError as e:
+            raise RequestValidationError(f"request {seq.request_id}: {e}") from None
+
+    def _admit_grammar_waiters(self) -> bool:
+        """Structured-output requests that waited for the grammar library's vocabulary view (built
+        in its own thread, off the step) join the scheduler once it is there; True when they did.
+        With nothing else to run, waits at most GRAMMAR_POLL_S for it instead of spinning."""
+        if not self._grammar_wait or not self.grammars.wait_ready(0.0 if self.scheduler.has_work() else GRAMMAR_POLL_S):
+            return False
+        for seq in self._grammar_wait:
+            try:
+                self._attach_grammar(seq)
+            except RequestValidationError as e:
+                log.warning("%s", e)
+                self._finish(seq, "abort")
+                continue
+            self.scheduler.add(seq)
+        self._grammar_wait.clear()
+        return True
 
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks; the next step() reports it finished with "abort"."""
         if self.scheduler.release_parked(request_id):
+            return
+        waiting = [s for s in self._grammar_wait if s.request_id == request_id]
+        if waiting:
+            self._grammar_wait.remove(waiting[0])
+            self._finish(waiting[0], "abort")
             return
         seq = self.scheduler.find(request_id)
         if seq is None:
@@ -202,14 +251,44 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
                 return
+        if seq.kv_num_tokens is not None:  # moved: the pull brought the first tokens' KV too, all but the last
+            seq.num_computed = seq.kv_num_tokens
+            self.scheduler.cache_computed(seq)
         self._to_emit[request_id] = seq
+
+    def move_out(self) -> list[str]:
+        """Drain by moving KV: stop every movable request that sits at a decode step boundary (its
+        last sampled token not computed yet, nothing pending for its caller) and park its blocks for
+        another engine to pull. Each such request finishes with reason ``"moved"`` in the next
+        :meth:`step`'s outputs, carrying :class:`engine.request.MovedKV`; its blocks stay allocated
+        until :meth:`release_parked` (or :meth:`abort_request`). Requests not in decode yet (waiting,
+        pulling, prefilling) are left alone: call again after later steps. Returns the ids moved."""
+        if self.scheduler.connector is None:
+            return []
+        moved = []
+        for seq in list(self.scheduler.running):
+            if not seq.movable or not seq.in_decode or seq.request_id in self._to_emit:
+                continue
+            if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
+                continue
+            seq.moved = MovedKV(list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
+                                seq.block_hashes()[:seq.num_computed // self.config.block_size])
+            self._finish(seq, MOVED)
+            moved.append(seq.request_id)
+        self.requests_moved_out += len(moved)
+        return moved
 
     def release_parked(self, request_id: str) -> bool:
         """Free a CONTEXT_ONLY request's handed-off blocks. False if it holds none."""
         return self.scheduler.release_parked(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._to_emit) or self.scheduler.has_work()
+        return bool(self._to_emit) or bool(self._grammar_wait) or self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Join the threads this engine owns (the grammar library's vocabulary build, if started)."""
+        if self.tp.is_driver:
+            self.grammars.close()
 
     def step(self, extra: object = None) -> StepResult:
         """Schedule, run the model once, apply the sampled tokens; return outputs and KV pulls
@@ -220,6 +299,7 @@ class LLMEngine:
         Raises RuntimeError when a follower died or stalled past the group's timeout.
         """
         self._require_driver()
+        admitted = self._admit_grammar_waiters()
         had_running = bool(self.scheduler.running)  # running sequences always run (or are preempted)
         batch = self.scheduler.schedule()
         pulls = batch.pulls
@@ -233,6 +313,7 @@ class LLMEngine:
             sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
             for seq, k in batch.items:
                 seq.num_computed += k
+                self.tokens_computed += k
                 self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
                 if seq.request_id in sampled:
                     self._apply_token(seq, *sampled[seq.request_id])
@@ -240,7 +321,7 @@ class LLMEngine:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         outputs = self._drain_outputs()
         # Nothing ran, was admitted or preempted: the scheduler's state is what it was before.
-        stalled = not (had_running or batch.items or pulls or outputs)
+        stalled = not (had_running or batch.items or pulls or outputs or admitted or self._grammar_wait)
         return StepResult(outputs=outputs, kv_pulls=pulls, stalled=stalled)
 
     # ---- tensor parallel ------------------------------------------------------------------
@@ -313,7 +394,9 @@ class LLMEngine:
         outputs = []
         for seq in self._to_emit.values():
             parked = list(seq.block_ids) if seq.parked else None
-            outputs.append(self.output_processor.take_output(seq, parked))
+            out = self.output_processor.take_output(seq, parked)
+            out.moved = seq.moved
+            outputs.append(out)
         self._to_emit.clear()
         return outputs
 

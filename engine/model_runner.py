@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention_meta import build_metadata
+from engine.grammar_mask import grammar_rows
 from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model import LlamaModel
 from engine.sampler import Sampler
@@ -142,8 +143,9 @@ class ModelRunner:
             history = [(s.token_ids[:s.num_prompt_tokens] if s.sampling.repetition_penalty != 1.0 else [],
                         s.output_token_ids if s.sampling.processed else []) for s in seqs]
         # choice index 0: one choice per sequence until n > 1 gives each choice its own stream
+        grammar = grammar_rows([s.grammar for s in seqs], logits.shape[-1], logits.device)
         ids = self.sampler.sample_ids(logits, params, [s.num_output_tokens for s in seqs], [0] * len(seqs),
-                                      history)
+                                      history, grammar)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         if want:

@@ -1,10 +1,14 @@
 """Apply sampled tokens to sequences: detokenize, check stops, build RequestOutputs."""
 from __future__ import annotations
 
+import logging
+
 from engine.logprobs import TokenLogprob
 from engine.request import RequestOutput
 from engine.sequence import Sequence
 from engine.stop_checker import find_stop_string, held_back_len, token_finish_reason
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -16,9 +20,13 @@ class OutputProcessor:
 
     def add_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None) -> str | None:
         """Append token_id (and its logprob) to seq and its text; return a finish reason or None.
-        Stop strings end the output only once it has sampling.min_tokens tokens (vLLM's rule)."""
+        Stop strings end the output only once it has sampling.min_tokens tokens (vLLM's rule).
+        A structured-output grammar consumes the token: EOS at its end is "stop" (ignore_eos too:
+        the grammar is complete); a token it refuses ends the request with "abort" (logged)."""
         seq.append_token(token_id, logprob)
         reason = token_finish_reason(seq, token_id, self.eos_token_ids, self.max_model_len)
+        if seq.grammar is not None:
+            reason = self._grammar_reason(seq, token_id, reason)
         delta = seq.detokenizer.push([token_id])
         if reason is not None:
             delta += seq.detokenizer.flush()
@@ -29,6 +37,15 @@ class OutputProcessor:
             if idx is not None:
                 seq.output_text = seq.output_text[:idx]
                 reason = "stop"
+        return reason
+
+    def _grammar_reason(self, seq: Sequence, token_id: int, reason: str | None) -> str | None:
+        if not seq.grammar.accept(token_id):
+            log.warning("request %s: token %d breaks its structured output: %s", seq.request_id, token_id,
+                        seq.grammar.error)
+            return "abort"
+        if token_id in self.eos_token_ids:
+            return "stop"  # the mask allows EOS only where the grammar accepts: it is complete
         return reason
 
     def take_output(self, seq: Sequence, parked_block_ids: list[int] | None = None

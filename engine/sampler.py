@@ -6,7 +6,9 @@ argmax; otherwise logits are divided by the temperature, min_p drops the tokens 
 is below min_p times the largest, top-k keeps the k highest (exactly k, by rank), top-p keeps the
 smallest prefix of the remaining tokens, in descending probability (softmax after top-k), whose
 mass reaches top_p. A batch in which no row uses a processor or min_p takes exactly the path it
-took before they existed (greedy stays bit-identical).
+took before they existed (greedy stays bit-identical). A structured-output grammar
+(:mod:`engine.grammar_mask`) then sets the logits of the tokens it disallows to -inf, before
+temperature and filters: greedy is the argmax over the allowed tokens, sampling draws among them.
 
 Randomness is the Gumbel-max trick (Gumbel 1954; e.g. Maddison, Tarlow and Minka, "A* Sampling",
 NeurIPS 2014): ``argmax_v(logits_v / T + G_v)`` with i.i.d. standard Gumbel ``G_v`` is an exact
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.counter_rng import as_int64, gumbel_argmax, stream_keys
+from engine.grammar_mask import GrammarRows, apply_grammar
 from engine.logits_processors import History, process_logits
 from engine.sampling_params import SamplingParams
 
@@ -110,7 +113,7 @@ class Sampler:
 
     def sample_ids(self, logits: torch.Tensor, params: list[SamplingParams],
                    output_indices: list[int], choice_indices: list[int] | None = None,
-                   history: list[History] | None = None) -> torch.Tensor:
+                   history: list[History] | None = None, grammar: GrammarRows | None = None) -> torch.Tensor:
         """One token id per row, as an int64 tensor [S] on logits.device (no host transfer).
 
         logits: [S, V] float32 on any device; params[i]: row i's request (a sampled one must
@@ -118,13 +121,17 @@ class Sampler:
         output_indices[i]: the output position row i produces (0 = first output token);
         choice_indices[i]: which of the request's choices row i belongs to (default 0; ``n > 1``
         gives each choice its own stream); history[i]: row i's (prompt, output so far) token ids,
-        needed where a row uses a penalty or min_tokens (:mod:`engine.logits_processors`).
+        needed where a row uses a penalty or min_tokens (:mod:`engine.logits_processors`);
+        grammar: the structured-output masks of the constrained rows (None = none).
         Raises ValueError for a sampled row without a seed, or a processed row without history.
         """
+        raw = logits
         if any(sp.processed for sp in params):
             if history is None:
                 raise ValueError("penalties and min_tokens need each row's tokens so far (history)")
             logits = process_logits(logits, params, history, self.eos_token_ids)
+        if grammar is not None:
+            logits = apply_grammar(logits, grammar, raw)
         greedy = torch.argmax(logits, dim=-1)
         rows = _rows(params, output_indices, choice_indices or [0] * len(params), logits.shape[-1])
         if not rows.index:
@@ -136,6 +143,6 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int], choice_indices: list[int] | None = None,
-               history: list[History] | None = None) -> list[int]:
+               history: list[History] | None = None, grammar: GrammarRows | None = None) -> list[int]:
         """:meth:`sample_ids` as a list: the step's one device-to-host transfer."""
-        return self.sample_ids(logits, params, output_indices, choice_indices, history).tolist()
+        return self.sample_ids(logits, params, output_indices, choice_indices, history, grammar).tolist()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.structured_output import StructuredOutputSpec
+
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's chat limit; vLLM's default max_logprobs)
 
 
@@ -33,6 +35,11 @@ class SamplingParams:
         alternatives, from the raw logits (log-softmax before any processor or temperature: vLLM's
         default). prompt_logprobs: the same for every prompt token but the first (completions
         ``echo`` with ``logprobs``); such a request never starts from the prefix cache.
+
+    structured_output: None = unconstrained; else the grammar every output token must keep
+        (pdserve.structured_output; compiled by engine.structured_output into a token mask applied
+        after the logits processors, before temperature and filters; EOS is allowed only where
+        the grammar accepts). Logprobs stay those of the raw logits.
     """
 
     max_tokens: int | None = 16
@@ -51,6 +58,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutputSpec | None = None
 
     def validate(self) -> None:
         """Raise ValueError when a field is out of range."""

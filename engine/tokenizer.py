@@ -34,11 +34,13 @@ def _from_gguf(path: Path) -> Any:
 class Tokenizer:
     """encode/decode/apply_chat_template plus the EOS ids and vocabulary size.
 
-    `hf` is the underlying transformers tokenizer (save_pretrained writes its files).
+    `hf` is the underlying transformers tokenizer (save_pretrained writes its files); `source`:
+    the .gguf file or HF directory it was loaded from (None when built from an object).
     """
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int], source: Path | None = None):
         self.hf = hf_tokenizer
+        self.source = source
         ids = list(eos_token_ids)
         if hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in ids:
             ids.append(hf_tokenizer.eos_token_id)
@@ -56,7 +58,7 @@ class Tokenizer:
         else:
             hf = AutoTokenizer.from_pretrained(str(path))
             eos += [e for e in _generation_eos(path) if e not in eos]
-        return cls(hf, eos)
+        return cls(hf, eos, Path(path))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -64,12 +66,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
-                            ) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Render messages with the model's own chat template and tokenize the result.
 
-        Raises ValueError when the tokenizer has no chat template.
+        ``tools`` (OpenAI's JSON shape) reach the template as ``tools``; ``template_kwargs`` as
+        extra template variables (``chat_template_kwargs``, e.g. ``enable_thinking``).
+        Raises ValueError when the tokenizer has no chat template or the template fails.
         """
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
+        import jinja2
+
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                               tokenize=False, tools=tools, **(template_kwargs or {}))
+        except jinja2.TemplateError as err:
+            raise ValueError(f"the chat template failed: {err}") from None
         return self.encode(text, add_special_tokens=False)

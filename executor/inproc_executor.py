@@ -96,7 +96,10 @@ class InProcessExecutor(WorkerClient):
         self._requests.transition(EngineState.STARTING, EngineState.SERVING)
 
     def _run(self) -> None:
-        self._loop.run_or_report("engine loop")
+        try:
+            self._loop.run_or_report("engine loop")
+        finally:
+            self._engine.close()
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._send(Shutdown("the server is shutting down"))

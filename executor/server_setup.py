@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from engine.structured_output import GrammarCompiler
 from executor.http_server import ServerState
 from executor.metrics import RoleStatsCollector, ServerMetrics
 from executor.phases import ColocatedPhase
@@ -78,7 +79,8 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
     metrics.registry.register(metrics.role_stats)
     state = ServerState(config=cfg, client=client, handlers={"context_and_generation": ColocatedPhase(client)},
                         metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
-                        kv_layouts=list(layouts or [layout]))
+                        kv_layouts=list(layouts or [layout]),
+                        grammars=GrammarCompiler(client.tokenizer, vocab_size, client.tokenizer.eos_token_ids))
     load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
     state.routers.append(admin_router(state))  # every frontend: /tokenizer, /admin/drain, /reset_prefix_cache
     state.routers.append(tokenize_router(state))  # /tokenize, /detokenize, /v1/models/{id}, /version

@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if size > 1:
             engine.stop_followers()
+        engine.close()
         transport.close()
         hs.close()
         zctx.term()

