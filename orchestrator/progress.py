@@ -126,11 +126,12 @@ class Progress:
         """The chunk the client gets at once (chat: it carries ``role: assistant``), with the ctx
         answer's logprobs and (``continuous_usage_stats``) its usage.
 
-        Without usage it is filled into the pydantic model's own dump of an empty first chunk
+        Without usage or a parsed delta it is filled into the pydantic model's own dump of an empty first chunk
         (:func:`_first_chunk_template`), which is what building and dumping the model gives, at a
         tenth of the cost: this chunk is on every stream's path to its first byte."""
         assert self.head is not None
-        if not (self.continuous_usage and self.first_usage):
+        with_usage = bool(self.continuous_usage and self.first_usage)
+        if not with_usage and self.first_delta is None:
             template = _first_chunk_template(self.chat)
             choice = {**template["choices"][0], "logprobs": self.first_logprobs}
             if self.chat:
@@ -138,8 +139,8 @@ class Progress:
             else:
                 choice["text"] = text
             return {**template, **self.head, "choices": [choice]}
-        usage = Usage.model_validate(self.first_usage)
-        if self.chat:
+        usage = Usage.model_validate(self.first_usage) if with_usage else None
+        if self.chat:  # with usage, or a parsed delta (reasoning, tool calls): built by the models
             delta = ChatDelta(role="assistant", content=text)
             if self.first_delta is not None:
                 delta = ChatDelta(role="assistant", **self.first_delta.to_openai())
