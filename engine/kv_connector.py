@@ -17,7 +17,7 @@ allocate the rest, emit a :class:`KVPull` for the missing blocks only); ``get_fi
 :meth:`KVConnector.finish_load`; ``request_finished`` (delay the free) →
 :meth:`KVConnector.request_finished` (park).
 
-An engine built with ``EngineConfig.kv_connector = "none"`` has no connector: it runs colocated
+An engine built with ``LLMEngine(..., kv_connector="none")`` has no connector: it runs colocated
 requests only and refuses ``context_only`` / ``generation_only`` ones.
 
 The wait logic of a ``generation_only`` request lives here: it sits in :attr:`loading` (blocks held,
@@ -132,7 +132,7 @@ NO_CONNECTOR_COUNTS = {"pulling_requests": 0, "parked_requests": 0, "kv_blocks_l
 
 
 def make_connector(kind: str, block_manager: BlockManager) -> KVConnector | None:
-    """The scheduler side named by ``EngineConfig.kv_connector``: ``"disagg"`` or ``"none"`` (None).
+    """The scheduler side named by ``LLMEngine``'s ``kv_connector``: ``"disagg"`` or ``"none"`` (None).
     Raises ValueError for another name."""
     if kind == "none":
         return None

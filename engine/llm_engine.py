@@ -12,7 +12,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.choices import Families, fork
-from engine.config import EngineConfig
+from engine.config import check_engine_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
 from engine.kv_connector import MOVED, make_connector
@@ -32,6 +32,7 @@ from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMe
                        broadcast_message)
 from engine.validation import validate_request
 from pdserve.block_hash import BlockHasher
+from pdserve.config import EngineSettings
 from pdserve.kv_events import KVEventBatch, KVSnapshot
 
 log = logging.getLogger(__name__)
@@ -52,26 +53,41 @@ class LLMEngine:
     run_follower(), and hold no tokenizer, scheduler or block manager.
     """
 
-    def __init__(self, config: EngineConfig, tp: TPContext | None = None):
-        """Load weights and tokenizer, allocate the KV cache. Raises FileNotFoundError/ValueError
-        (also when the model's KV heads cannot be split over tp.size)."""
+    def __init__(self, config: EngineSettings, model: str, tp: TPContext | None = None, *,
+                 served_model_name: str | None = None, kv_cache_file: str | None = None,
+                 kv_connector: str = "disagg"):
+        """Load weights and tokenizer, allocate the KV cache.
+
+        config: the server's engine settings whole (pdserve.config.EngineSettings), ``dtype`` and
+            ``device`` resolved (engine.config.check_engine_config); kept as ``self.config`` with
+            ``num_kv_blocks`` sized (engine.kv_sizing).
+        model: "smollm2" alias, path to a .gguf file, or a HF directory (config.json + *.safetensors).
+        served_model_name: the model id in block hashes (pdserve.block_hash; the servers pass the
+            topology's model.name, as the KV layout does); None = ``model``.
+        kv_cache_file: back the KV cache by this file (shared memory another process maps: TP followers).
+        kv_connector: "disagg" (context_only requests park their blocks, generation_only ones load
+            theirs, engine.kv_connector) or "none" (colocated requests only; the others are refused).
+
+        Raises FileNotFoundError/ValueError (also when the model's KV heads cannot be split over tp.size).
+        """
         t0 = time.perf_counter()
+        check_engine_config(config, model, kv_connector)
+        block_namespace = served_model_name or model
         self.tp = tp or NO_TP
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if config.device != "cpu":
             torch.cuda.set_device(torch.device(config.device))  # NCCL and default streams follow it
         dtype = getattr(torch, config.dtype)
-        model, path = load_model(config.model, dtype, self.tp, config.device,
-                                 pack_cpu_linears=config.pack_cpu_linears)
+        model, path = load_model(model, dtype, self.tp, config.device, pack_cpu_linears=config.pack_cpu_linears)
         self.model_config = model.config
         self.local_kv_heads = model.shard.num_kv_heads
         mc = model.config
         # num_kv_blocks None: sized now, after the weights are on the device (engine.kv_sizing)
-        config = dataclasses.replace(config, num_kv_blocks=resolve_num_kv_blocks(config, mc, self.local_kv_heads))
+        config = config.model_copy(update={"num_kv_blocks": resolve_num_kv_blocks(config, mc, self.local_kv_heads)})
         self.config = config
         self.kv_cache = allocate_kv_cache((config.num_kv_blocks, mc.num_layers, 2, config.block_size,
-                                            self.local_kv_heads, mc.head_dim), dtype, config.kv_cache_file,
+                                            self.local_kv_heads, mc.head_dim), dtype, kv_cache_file,
                                            config.kv_cache_huge_pages, config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size,
                                   Sampler(model.config.eos_token_ids), config.device)
@@ -86,10 +102,9 @@ class LLMEngine:
         self.kv_events = KVEventLog()  # rank 0 only: it owns the block manager
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.kv_events)
-        self.hasher = BlockHasher(config.served_model_name or config.model, config.dtype,
-                                  config.block_size)
+        self.hasher = BlockHasher(block_namespace, config.dtype, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager,
-                                   make_connector(config.kv_connector, self.block_manager),
+                                   make_connector(kv_connector, self.block_manager),
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         # structured output: the grammar library's view of the vocabulary is built on first use, once

@@ -54,7 +54,7 @@ from .prompt_blocks import prompt_blocks
 from .router import RouteHint, Router
 from .sse import answer_to_events
 from .tasks import TaskOwner
-from .upstream import AttemptFailed, open_stream, post_json_raw, release_lease
+from .upstream import AttemptFailed, check_gen_answer, open_stream, post_json_raw, release_lease
 
 Response = JSONAnswer | EventStream | StreamAnswer
 
@@ -363,12 +363,7 @@ class DisaggFlow:
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
                                       "gen", ex.request_id, self._auth.get("gen", ()))
-        try:
-            answer = jsonio.loads(raw)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise AttemptFailed("gen answer is not a JSON object")
+        answer = check_gen_answer(raw)
         if ex.colocated:  # the gen server computed the prompt: its hit is its own
             self._check_hits("gen", ex, predicted, answer)
         return self._json_response(ex, raw)  # relayed as the server wrote it

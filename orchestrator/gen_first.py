@@ -43,7 +43,7 @@ from .progress import Progress
 from .relay import GenStream
 from .router import RouteHint
 from .h1client import PendingPost
-from .upstream import AttemptFailed, first_chunk, read_answer, start_post
+from .upstream import AttemptFailed, check_gen_answer, first_chunk, read_answer, start_post
 
 log = logging.getLogger("orchestrator.gen_first")
 
@@ -109,12 +109,7 @@ class GenAttempt:
         finally:
             if not self._taken:
                 self._uncount()
-        try:
-            answer = jsonio.loads(raw)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise AttemptFailed("gen answer is not a JSON object")
+        check_gen_answer(raw)
         return self.flow._json_response(self.ex, raw)  # relayed as the server wrote it
 
     def discard(self) -> None:

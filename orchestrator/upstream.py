@@ -34,6 +34,17 @@ class AttemptFailed(Exception):
         self.error_type = error_type
 
 
+def check_gen_answer(raw: bytes) -> dict:
+    """A gen server's 2xx JSON answer, parsed: it must be a JSON object. Raises AttemptFailed otherwise."""
+    try:
+        answer = jsonio.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise AttemptFailed("gen answer is not a JSON object")
+    return answer
+
+
 def describe(err: BaseException) -> str:
     """``ConnectError: [Errno 111] ...`` (the class name stays when the message is empty)."""
     text = str(err)

@@ -6,17 +6,18 @@ import asyncio
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
 from engine.sampling_params import SamplingParams
 from executor.engine_client import EngineDeadError, EngineNotServingError, EngineState
 from executor.inproc_executor import InProcessExecutor
+from pdserve.config import EngineSettings
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4, num_threads=1))
+    return LLMEngine(EngineSettings(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, num_threads=1),
+                     str(tiny_model_dir))
 
 
 def req(rid: str, n: int = 8) -> EngineRequest:
