@@ -17,6 +17,11 @@ starts as a preempted sequence does: no blocks, first in the queue; it recompute
 ctx server (CONTEXT_ONLY): nothing is decoded there, so choices 1..n-1 hold no blocks; the
 request's blocks stay with choice 0 and are parked once, if any choice goes on (``keep_blocks``).
 
+Structured output: the n first tokens are drawn from the one row under the request's one grammar
+mask (no token consumed yet); each choice then has its own matcher (:meth:`Sequence.child` forks
+it), which consumes that choice's tokens only. Drain ``move_kv`` never moves a choice: an n > 1
+request is not movable (engine.validation).
+
 Randomness: choice i draws with choice index i (:mod:`engine.sampler`), so seeded choices are
 reproducible and differ from each other, and choice 0 of n draws exactly what the same request
 with n = 1 draws (the contract: ``docs/architecture.md``, "n > 1").
