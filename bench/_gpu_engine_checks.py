@@ -7,8 +7,8 @@ import warnings
 import torch
 
 from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from pdserve.config import EngineSettings
 
 
 def _sync(device: str) -> None:
@@ -51,7 +51,7 @@ def check_engine_vs_hf(model_dir, prompts: list[list[int]], n: int, device: str,
     hf = hf_model(model_dir, torch.float32, device)
     want = [hf_generate(hf, [p], n, device)[0] for p in prompts]
     del hf
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device=device, num_kv_blocks=num_kv_blocks))
+    engine = LLMEngine(EngineSettings(dtype="float32", device=device, num_kv_blocks=num_kv_blocks), str(model_dir))
     got, _ = engine_generate(engine, prompts, n)
     bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     first = None
@@ -79,8 +79,8 @@ def check_throughput(model_dir, dtype: str, device: str, concurrency: list[int],
     from _gpu_shapes import random_prompts
 
     tdtype = getattr(torch, dtype)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, device=device, num_kv_blocks=num_kv_blocks,
-                                    max_batch_size=max(concurrency), max_num_tokens=max(2048, prompt_len)))
+    engine = LLMEngine(EngineSettings(dtype=dtype, device=device, num_kv_blocks=num_kv_blocks,
+                                      max_batch_size=max(concurrency), max_num_tokens=max(2048, prompt_len)), str(model_dir))
     engine_generate(engine, random_prompts(vocab, [prompt_len], seed=99), 4)  # warm-up
     hf = hf_model(model_dir, tdtype, device)
     hf_generate(hf, random_prompts(vocab, [prompt_len], seed=99), 4, device)

@@ -117,6 +117,28 @@ class Procs:
         self.stop_all()
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, ``/proc/PID/stat`` fields 14-15) used so far by ``pid`` and every
+    live descendant: a router's own cost, independent of how loaded the machine is. A process that
+    exited meanwhile is not counted (measure around runs in which none exits)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, cpu seconds)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo.extend(c for c, (ppid, _) in stats.items() if ppid == p)
+    return total
+
+
 def write_topology(path: Path, *, model_path: str = "smollm2", model_name: str = "SmolLM2-135M-Instruct",
                    engine: dict | None = None, ctx_engine: dict | None = None, gen_engine: dict | None = None,
                    num_ctx: int = 1, num_gen: int = 1) -> dict:

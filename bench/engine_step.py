@@ -25,7 +25,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning OpenMP threads
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams  # noqa: E402
+from engine import EngineRequest, LLMEngine, SamplingParams  # noqa: E402
+from pdserve.config import EngineSettings  # noqa: E402
 
 
 def params(max_tokens: int, sampled: bool) -> SamplingParams:
@@ -77,8 +78,8 @@ def prefill_ms(engine: LLMEngine, length: int, sampled: bool) -> tuple[float, fl
 
 def run(a: argparse.Namespace, dtype: str) -> list[dict]:
     """Every case for one dtype; each the median over a.repeats."""
-    engine = LLMEngine(EngineConfig(model=a.model, dtype=dtype, num_threads=a.threads,
-                                    num_kv_blocks=512, max_num_tokens=max(2048, a.prefill_len)))
+    engine = LLMEngine(EngineSettings(dtype=dtype, device="cpu", num_threads=a.threads, num_kv_blocks=512,
+                                      max_num_tokens=max(2048, a.prefill_len)), a.model)
     decode_step_ms(engine, 1, 16, 4, a.sampled)  # warm-up
     prefill_ms(engine, 64, a.sampled)
     cases = {f"decode_b{b}": lambda b=b: decode_step_ms(engine, b, a.context, a.steps, a.sampled)

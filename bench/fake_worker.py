@@ -18,7 +18,10 @@ It speaks what each router in the overhead experiment asks of a worker:
 - ``GET /health``, ``/v1/models``, ``/server_info``, ``/get_server_info``, ``/model_info``,
   ``/get_model_info`` (naming ``--tokenizer-dir``, which sglang-router loads);
 - pdserve's ``GET /tokenizer`` (tokenizer.json + chat template of ``--tokenizer-dir``), which the
-  orchestrator's ``kv_cache_aware`` router loads to hash prompts.
+  orchestrator's ``kv_cache_aware`` router loads to hash prompts;
+- pdserve's ``GET /kv_events`` (:mod:`pdserve.kv_events`): a snapshot of no blocks, then a heartbeat
+  every second, so the orchestrator's KV indexes of this worker are synced (and stay empty) and
+  ``kv_cache_aware`` scores every prompt as it would in front of a real server.
 
 Raw ASGI on uvicorn (no FastAPI) so the worker costs far less than the routers it measures.
 """
@@ -40,6 +43,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages (orc
 
 MODEL = "fake-model"
 WORD = " tok"
+KV_HEARTBEAT_S = 1.0   # between /kv_events heartbeats (a real server's default)
 MAX_OUTCOMES = 10_000  # ctx role: lease-wait outcomes kept for waits still to come (oldest dropped)
 
 
@@ -113,6 +117,8 @@ class FakeWorker:
                                                     "waits_answered": self.waits_answered})
             if path == "/tokenizer":
                 return await self._json(send, 200, self.tokenizer_payload())
+            if path == "/kv_events":
+                return await self._kv_events(receive, send)
             if path in ("/get_load", "/v1/loads"):
                 return await self._json(send, 200, {"load": 0})
             return await self._json(send, 404, {"error": {"message": f"no route {path}"}})
@@ -134,6 +140,25 @@ class FakeWorker:
         phase = (body.get("disaggregated_params") or {}).get("request_type", "plain")
         self.phases[phase] = self.phases.get(phase, 0) + 1
         await self._complete(send, body, chat=path.endswith("chat/completions"))
+
+    async def _kv_events(self, receive, send) -> None:
+        """An NDJSON KV event stream with no events: the empty snapshot, then heartbeats until the
+        subscriber leaves (the orchestrator's read timeout is 5 s)."""
+        from pdserve.kv_events import KVSnapshot, control_line, snapshot_line
+
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        await send({"type": "http.response.body", "body": snapshot_line(KVSnapshot("fake", 0, ())),
+                    "more_body": True})
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), KV_HEARTBEAT_S)
+            except TimeoutError:
+                await send({"type": "http.response.body", "body": control_line("heartbeat", "fake", 0),
+                            "more_body": True})
+                continue
+            if msg["type"] == "http.disconnect":
+                return
 
     def _outcome(self, disagg_id: str) -> asyncio.Future:
         fut = self._outcomes.get(disagg_id)

@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams  # noqa: E402
+from engine import EngineRequest, LLMEngine, SamplingParams  # noqa: E402
 from engine.grammar_mask import GrammarRows, allowed_tokens, apply_grammar, fill_bitmask  # noqa: E402
 from engine.structured_output import GrammarCompiler  # noqa: E402
+from pdserve.config import EngineSettings  # noqa: E402
 from pdserve.structured_output import StructuredOutputSpec  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "member"],
@@ -129,7 +130,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()}", flush=True)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=512, num_threads=args.threads))
+    engine = LLMEngine(EngineSettings(dtype=args.dtype, device="cpu", num_kv_blocks=512, num_threads=args.threads),
+                       args.model)
     tok, vocab = engine.tokenizer, engine.model_config.vocab_size
     results: dict = {"vocab": vocab, "one_time": one_time(tok, vocab, tok.eos_token_ids)}
     compiler = GrammarCompiler(tok, vocab, tok.eos_token_ids)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import yaml  # noqa: E402
 
 from _harness import (conditions, loadavg, FIGURES, PY, RESULTS, ROOT, Procs, bench, free_port, md_table, median, say,  # noqa: E402
-                      update_section)
+                      tree_cpu_s, update_section)
 
 
 def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
@@ -116,6 +116,17 @@ def run_one(url: str, argv: list[str]) -> dict:
     return m
 
 
+def router_pid(procs: Procs, target: str) -> int | None:
+    """The PID of the router process behind ``target`` (None for *direct*: no router)."""
+    name = "sglang" if target.startswith("sglang") else target
+    proc = procs.procs.get(name)
+    return None if target == "direct" or proc is None else proc.pid
+
+
+def fmt_us(value: float | None) -> str:
+    return "—" if value is None or value != value else f"{value:.0f}"
+
+
 def cpu_flags() -> str:
     """The flags that change what a number means here (FACTS.md: the machine is not always the same)."""
     try:
@@ -137,18 +148,24 @@ def wrk_script(path: Path, seed: int) -> Path:
     return path
 
 
-def run_wrk(url: str, a: argparse.Namespace, seed: int) -> dict:
-    """Max req/s of ``url`` + ``/v1/completions`` with wrk pinned to core 0. Raises on errors."""
+def run_wrk(url: str, a: argparse.Namespace, seed: int, router_pid: int | None = None) -> dict:
+    """Max req/s of ``url`` + ``/v1/completions`` with wrk pinned to core 0, and (``router_pid``) the
+    router's CPU per request over the run: CPU seconds of its process tree / requests wrk completed
+    (``cpu_us_per_request``; load-independent, unlike req/s). Raises on errors."""
     script = wrk_script(RESULTS / "overhead" / "wrk.lua", seed)
     cmd = ["taskset", "-c", "0", "wrk", "-t", str(a.wrk_threads), "-c", str(a.conc), "-d", f"{a.wrk_seconds}s",
            "--timeout", "10s", "-s", str(script), url + "/v1/completions"]
+    cpu0 = tree_cpu_s(router_pid) if router_pid else 0.0
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.wrk_seconds + 60).stdout
+    cpu = tree_cpu_s(router_pid) - cpu0 if router_pid else None
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    done = int(re.search(r"(\d+) requests in", out).group(1))
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errors = re.search(r"Socket errors: (.*)", out)
     if bad or errors:
         raise RuntimeError(f"wrk against {url}: {bad.group(0) if bad else ''} {errors.group(0) if errors else ''}\n{out}")
-    return {"request_throughput": rps, "output": out}
+    per_req = None if cpu is None or not done else 1e6 * cpu / done
+    return {"request_throughput": rps, "requests": done, "cpu_us_per_request": per_req, "output": out}
 
 
 def main() -> int:
@@ -168,6 +185,7 @@ def main() -> int:
     p.add_argument("--section", default="overhead", help="the docs/benchmarks.md section (and figure) written")
     p.add_argument("--wrk-seconds", type=int, default=8)
     p.add_argument("--wrk-threads", type=int, default=1)
+    p.add_argument("--dry-run", action="store_true", help="print the table; write neither docs/benchmarks.md nor the figure")
     a = p.parse_args()
     if shutil.which("wrk") is None:
         p.error("wrk is not installed (apt-get install -y wrk): the Python client alone cannot measure max req/s")
@@ -187,11 +205,11 @@ def main() -> int:
                 m2 = run_one(url, ["--num-prompts", str(a.throughput_prompts), "--max-concurrency", str(a.conc),
                                    "--request-rate", "inf", "--seed", str(rep)])
                 thr.setdefault(name, []).append(m2)
-                w = run_wrk(url, a, rep)
+                w = run_wrk(url, a, rep, router_pid(procs, name))
                 wrk.setdefault(name, []).append(w)
                 say(f"repeat {rep} {name}: TTFT p50 {m['ttft_ms']['median']:.2f} ms, "
                     f"p99 {m['ttft_ms']['p99']:.2f} ms; max {m2['request_throughput']:.0f} req/s (python), "
-                    f"{w['request_throughput']:.0f} req/s (wrk)")
+                    f"{w['request_throughput']:.0f} req/s (wrk), router CPU {fmt_us(w['cpu_us_per_request'])} µs/req")
         import httpx
 
         for w, wurl in procs.worker_urls.items():
@@ -210,12 +228,17 @@ def main() -> int:
         e99 = median([m["e2el_ms"]["p99"] for m in lat[name]])
         rps = median([m["request_throughput"] for m in thr[name]])
         wrps = median([m["request_throughput"] for m in wrk[name]])
+        cpu_us = median([m.get("cpu_us_per_request") for m in wrk[name]])
         summary[name] = (t50 - base_ttft50, t99 - base_ttft99, wrps)
         rows.append([name, f"{t50:.2f}", f"{t99:.2f}", f"{t50 - base_ttft50:+.2f}", f"{t99 - base_ttft99:+.2f}",
                      f"{e50 - base_e2e50:+.2f}", f"{e99 - base_e2e99:+.2f}", f"{rps:.0f}", f"{wrps:.0f}",
-                     " / ".join(f"{m['request_throughput']:.0f}" for m in wrk[name])])
+                     " / ".join(f"{m['request_throughput']:.0f}" for m in wrk[name]), fmt_us(cpu_us)])
     table = md_table(["path", "TTFT p50 ms", "TTFT p99 ms", "added TTFT p50", "added TTFT p99", "added E2EL p50",
-                      "added E2EL p99", "max req/s (python)", "max req/s (wrk)", "wrk runs"], rows)
+                      "added E2EL p99", "max req/s (python)", "max req/s (wrk)", "wrk runs",
+                      "router CPU µs/req (wrk)"], rows)
+    if a.dry_run:
+        print(table)
+        return 0
     figure = "orchestrator_overhead" if a.section == "overhead" else f"orchestrator_{a.section.replace('-', '_')}"
     plot(summary, FIGURES / f"{figure}.png")
     direct_rps = summary["direct"][2]
@@ -245,7 +268,9 @@ concurrency 1 ({a.latency_prompts} requests per run, Python client); max req/s a
 with the Python client ({a.throughput_prompts} requests per run) and with `wrk` ({a.wrk_threads} thread,
 {a.conc} keep-alive connections, {a.wrk_seconds} s per run; the Python client is one process that tops out
 near 400–800 req/s on one core, wrk costs ~10× less per request). Medians of {a.repeats} repeats,
-targets alternating.
+targets alternating. *Router CPU µs/req*: user + system CPU time of the router's process tree
+(`/proc/PID/stat`) over each wrk run divided by the requests wrk completed — the router's own cost
+per request, which the machine's load changes far less than it changes latencies and rates.
 
 What each router does per request (be fair when reading the numbers):
 - **pdserve orchestrator** (Python, uvicorn + uvloop + httptools, one process, its own pooled
@@ -258,6 +283,9 @@ What each router does per request (be fair when reading the numbers):
   A's `/disagg/lease` and streams only once A has answered that request's context phase (one
   B → A round trip, on core 0 with the workers, through the orchestrator's pooled HTTP/1.1 client; the
   real gen server uses httpx).
+- The fake workers publish KV events as a real server does (`GET /kv_events`: an empty snapshot,
+  then heartbeats), so `kv_cache_aware`'s indexes are synced (and empty): it tokenizes and scores
+  every prompt as it would in front of real servers.
 - **sglang-router** (Rust, `--pd-disaggregation`): sends the request to A and B *at once* with
   `bootstrap_*` fields and relays B's stream; the prefill→decode handoff is the workers' business
   (over the bootstrap server), so the router's own critical path has one round trip.

@@ -17,7 +17,7 @@ allocate the rest, emit a :class:`KVPull` for the missing blocks only); ``get_fi
 :meth:`KVConnector.finish_load`; ``request_finished`` (delay the free) →
 :meth:`KVConnector.request_finished` (park).
 
-An engine built with ``EngineConfig.kv_connector = "none"`` has no connector: it runs colocated
+An engine built with ``LLMEngine(..., kv_connector="none")`` has no connector: it runs colocated
 requests only and refuses ``context_only`` / ``generation_only`` ones.
 
 The wait logic of a ``generation_only`` request lives here: it sits in :attr:`loading` (blocks held,
@@ -31,6 +31,8 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.request import KVPull, Phase
 from engine.sequence import SeqStatus, Sequence
+
+MOVED = "moved"  # finish reason of a request moved off a draining engine (its blocks parked)
 
 
 class KVConnector:
@@ -65,8 +67,12 @@ class KVConnector:
         pulled, so the pull names only the missing tail: ``KVPull.first_block`` is the index (in the
         prompt's blocks) of its first block. Every full prompt block may be reused: the next KV
         this engine writes is the first output token's, at position ``num_tokens``, past them.
+
+        A moved request (``seq.kv_num_tokens``: the sender's KV covers prompt + first tokens but the
+        last) is matched and pulled over those ``kv_num_tokens`` tokens, partial last block included.
         """
-        hit = self._reusable_prefix(seq)
+        kv_tokens = seq.kv_source_tokens()
+        hit = self._reusable_prefix(seq, kv_tokens)
         # generation_first (first_tokens_later): room for one first token, not yet sampled by the ctx server
         need = self.bm.blocks_needed(seq.num_tokens + max(len(seq.first_token_ids), 1)) - len(hit)
         if not self.bm.can_allocate(need, sharing=hit):
@@ -76,17 +82,17 @@ class KVConnector:
         seq.mark_admitted()
         seq.status = SeqStatus.PULLING
         self.loading[seq.request_id] = seq
-        prompt_blocks = self.bm.blocks_needed(seq.num_tokens)
+        kv_blocks = self.bm.blocks_needed(len(kv_tokens))
         self.blocks_reused += len(hit)
-        self.blocks_loaded += prompt_blocks - len(hit)
-        return KVPull(seq.request_id, seq.block_ids[len(hit):prompt_blocks], seq.num_tokens, first_block=len(hit))
+        self.blocks_loaded += kv_blocks - len(hit)
+        return KVPull(seq.request_id, seq.block_ids[len(hit):kv_blocks], len(kv_tokens), first_block=len(hit))
 
-    def _reusable_prefix(self, seq: Sequence) -> list[int]:
+    def _reusable_prefix(self, seq: Sequence, kv_tokens: list[int]) -> list[int]:
         hashes = seq.source_block_hashes
         if not hashes or not self.bm.enable_caching:
             return []
-        full = seq.num_tokens // self.bm.block_size
-        return self.bm.match_prefix(hashes[:full], seq.token_ids)
+        full = len(kv_tokens) // self.bm.block_size
+        return self.bm.match_prefix(hashes[:full], kv_tokens)
 
     def finish_load(self, request_id: str) -> Sequence | None:
         """Take a loading sequence out of :attr:`loading` (its KV landed, or the load failed)."""
@@ -94,10 +100,12 @@ class KVConnector:
 
     # ---- parking (ctx) --------------------------------------------------------------------
     def request_finished(self, seq: Sequence) -> bool:
-        """seq finished: True when its blocks must outlive it (a CONTEXT_ONLY hand-off, parked until
-        :meth:`release`); False: the scheduler frees them now."""
+        """seq finished: True when its blocks must outlive it (a CONTEXT_ONLY hand-off, or a request
+        moved off a draining engine: finish reason ``"moved"``; parked until :meth:`release`);
+        False: the scheduler frees them now."""
         self.loading.pop(seq.request_id, None)
-        if seq.phase is not Phase.CONTEXT_ONLY or seq.finish_reason is not None:
+        hand_off = seq.phase is Phase.CONTEXT_ONLY and seq.finish_reason is None
+        if not hand_off and seq.finish_reason != MOVED:
             return False
         seq.parked = True
         self.parked[seq.request_id] = seq.block_ids
@@ -122,7 +130,7 @@ NO_CONNECTOR_COUNTS = {"pulling_requests": 0, "parked_requests": 0, "kv_blocks_l
 
 
 def make_connector(kind: str, block_manager: BlockManager) -> KVConnector | None:
-    """The scheduler side named by ``EngineConfig.kv_connector``: ``"disagg"`` or ``"none"`` (None).
+    """The scheduler side named by ``LLMEngine``'s ``kv_connector``: ``"disagg"`` or ``"none"`` (None).
     Raises ValueError for another name."""
     if kind == "none":
         return None

@@ -94,7 +94,7 @@ def resolve_num_kv_blocks(config, model_config, local_kv_heads: int) -> int:
     """``config.num_kv_blocks`` where it is set; else, on a CPU, the default
     (engine.config.CPU_DEFAULT_KV_BLOCKS) and on CUDA the blocks that fit (:func:`blocks_for_budget`).
 
-    config: engine.config.EngineConfig; model_config: engine.model_config.ModelConfig.
+    config: pdserve.config.EngineSettings (device and dtype resolved); model_config: engine.model_config.ModelConfig.
     Raises ValueError as :func:`blocks_for_budget`.
     """
     from engine.config import CPU_DEFAULT_KV_BLOCKS

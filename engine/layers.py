@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_linear import packed_linear
 from engine.rope import RopeScaling, inv_freq
 
 
@@ -71,7 +72,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     sgemm on the transposed-weight form of such a skinny product took 1.5-3x the CPU time
     (lm_head [49152, 576] at 8 rows: 36 vs 15 ms; gate_up [3072, 576]: 41 vs 29 ms per 30
     layers; measured with process_time on the 2-core CI machine). One row is a GEMV either way.
+    A weight packed by engine.cpu_linear.pack_weight runs on oneDNN's linear instead.
     """
+    if weight.is_mkldnn:  # reordered once at load (engine.cpu_linear)
+        return packed_linear(x, weight, bias)
     t, n = x.shape[0], weight.shape[0]
     if (1 < t <= SKINNY_MAX_ROWS and n >= SKINNY_MIN_OUT and x.dtype == torch.float32
             and x.device.type == "cpu"):

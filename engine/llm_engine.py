@@ -11,17 +11,17 @@ from collections.abc import Callable
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import check_engine_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
-from engine.kv_connector import make_connector
+from engine.kv_connector import MOVED, make_connector
 from engine.kv_event_log import KVEventLog
 from engine.kv_memory import allocate_kv_cache
 from engine.kv_sizing import resolve_num_kv_blocks
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.request import EngineRequest, Phase, RequestOutput, StepResult
+from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -31,6 +31,7 @@ from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMe
                        broadcast_message)
 from engine.validation import validate_request
 from pdserve.block_hash import BlockHasher
+from pdserve.config import EngineSettings
 from pdserve.kv_events import KVEventBatch, KVSnapshot
 
 log = logging.getLogger(__name__)
@@ -51,25 +52,41 @@ class LLMEngine:
     run_follower(), and hold no tokenizer, scheduler or block manager.
     """
 
-    def __init__(self, config: EngineConfig, tp: TPContext | None = None):
-        """Load weights and tokenizer, allocate the KV cache. Raises FileNotFoundError/ValueError
-        (also when the model's KV heads cannot be split over tp.size)."""
+    def __init__(self, config: EngineSettings, model: str, tp: TPContext | None = None, *,
+                 served_model_name: str | None = None, kv_cache_file: str | None = None,
+                 kv_connector: str = "disagg"):
+        """Load weights and tokenizer, allocate the KV cache.
+
+        config: the server's engine settings whole (pdserve.config.EngineSettings), ``dtype`` and
+            ``device`` resolved (engine.config.check_engine_config); kept as ``self.config`` with
+            ``num_kv_blocks`` sized (engine.kv_sizing).
+        model: "smollm2" alias, path to a .gguf file, or a HF directory (config.json + *.safetensors).
+        served_model_name: the model id in block hashes (pdserve.block_hash; the servers pass the
+            topology's model.name, as the KV layout does); None = ``model``.
+        kv_cache_file: back the KV cache by this file (shared memory another process maps: TP followers).
+        kv_connector: "disagg" (context_only requests park their blocks, generation_only ones load
+            theirs, engine.kv_connector) or "none" (colocated requests only; the others are refused).
+
+        Raises FileNotFoundError/ValueError (also when the model's KV heads cannot be split over tp.size).
+        """
         t0 = time.perf_counter()
+        check_engine_config(config, model, kv_connector)
+        block_namespace = served_model_name or model
         self.tp = tp or NO_TP
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if config.device != "cpu":
             torch.cuda.set_device(torch.device(config.device))  # NCCL and default streams follow it
         dtype = getattr(torch, config.dtype)
-        model, path = load_model(config.model, dtype, self.tp, config.device)
+        model, path = load_model(model, dtype, self.tp, config.device, pack_cpu_linears=config.pack_cpu_linears)
         self.model_config = model.config
         self.local_kv_heads = model.shard.num_kv_heads
         mc = model.config
         # num_kv_blocks None: sized now, after the weights are on the device (engine.kv_sizing)
-        config = dataclasses.replace(config, num_kv_blocks=resolve_num_kv_blocks(config, mc, self.local_kv_heads))
+        config = config.model_copy(update={"num_kv_blocks": resolve_num_kv_blocks(config, mc, self.local_kv_heads)})
         self.config = config
         self.kv_cache = allocate_kv_cache((config.num_kv_blocks, mc.num_layers, 2, config.block_size,
-                                            self.local_kv_heads, mc.head_dim), dtype, config.kv_cache_file,
+                                            self.local_kv_heads, mc.head_dim), dtype, kv_cache_file,
                                            config.kv_cache_huge_pages, config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size,
                                   Sampler(model.config.eos_token_ids), config.device)
@@ -84,15 +101,16 @@ class LLMEngine:
         self.kv_events = KVEventLog()  # rank 0 only: it owns the block manager
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.kv_events)
-        self.hasher = BlockHasher(config.served_model_name or config.model, config.dtype,
-                                  config.block_size)
+        self.hasher = BlockHasher(block_namespace, config.dtype, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager,
-                                   make_connector(config.kv_connector, self.block_manager),
+                                   make_connector(kv_connector, self.block_manager),
                                    model.config.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         # structured output: the grammar library's view of the vocabulary is built on first use, once
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.tokenizer.eos_token_ids)
         self._to_emit: dict[str, Sequence] = {}
+        self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
+        self.requests_moved_out = 0
         self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:
             barrier(self.tp)
@@ -115,6 +133,7 @@ class LLMEngine:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
         included), ``total_blocks``, :meth:`memory_stats`, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
+                "tokens_computed": self.tokens_computed, "requests_moved_out": self.requests_moved_out,
                 **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
 
     def memory_stats(self) -> dict[str, int]:
@@ -232,7 +251,32 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
                 return
+        if seq.kv_num_tokens is not None:  # moved: the pull brought the first tokens' KV too, all but the last
+            seq.num_computed = seq.kv_num_tokens
+            self.scheduler.cache_computed(seq)
         self._to_emit[request_id] = seq
+
+    def move_out(self) -> list[str]:
+        """Drain by moving KV: stop every movable request that sits at a decode step boundary (its
+        last sampled token not computed yet, nothing pending for its caller) and park its blocks for
+        another engine to pull. Each such request finishes with reason ``"moved"`` in the next
+        :meth:`step`'s outputs, carrying :class:`engine.request.MovedKV`; its blocks stay allocated
+        until :meth:`release_parked` (or :meth:`abort_request`). Requests not in decode yet (waiting,
+        pulling, prefilling) are left alone: call again after later steps. Returns the ids moved."""
+        if self.scheduler.connector is None:
+            return []
+        moved = []
+        for seq in list(self.scheduler.running):
+            if not seq.movable or not seq.in_decode or seq.request_id in self._to_emit:
+                continue
+            if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
+                continue
+            seq.moved = MovedKV(list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
+                                seq.block_hashes()[:seq.num_computed // self.config.block_size])
+            self._finish(seq, MOVED)
+            moved.append(seq.request_id)
+        self.requests_moved_out += len(moved)
+        return moved
 
     def release_parked(self, request_id: str) -> bool:
         """Free a CONTEXT_ONLY request's handed-off blocks. False if it holds none."""
@@ -269,6 +313,7 @@ class LLMEngine:
             sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
             for seq, k in batch.items:
                 seq.num_computed += k
+                self.tokens_computed += k
                 self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
                 if seq.request_id in sampled:
                     self._apply_token(seq, *sampled[seq.request_id])
@@ -349,7 +394,9 @@ class LLMEngine:
         outputs = []
         for seq in self._to_emit.values():
             parked = list(seq.block_ids) if seq.parked else None
-            outputs.append(self.output_processor.take_output(seq, parked))
+            out = self.output_processor.take_output(seq, parked)
+            out.moved = seq.moved
+            outputs.append(out)
         self._to_emit.clear()
         return outputs
 

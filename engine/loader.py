@@ -17,10 +17,11 @@ log = logging.getLogger(__name__)
 
 
 def load_model(spec: str, dtype: torch.dtype, tp: TPContext = NO_TP,
-               device: str = "cpu") -> tuple[LlamaModel, Path]:
+               device: str = "cpu", pack_cpu_linears: bool = False) -> tuple[LlamaModel, Path]:
     """Return (model with weights in dtype on device, resolved path). Raises FileNotFoundError/ValueError.
 
-    With TP every rank reads the whole checkpoint and keeps its shard.
+    With TP every rank reads the whole checkpoint and keeps its shard. pack_cpu_linears: reorder
+    the linear weights for oneDNN once (engine.cpu_linear; ignored off the CPU).
     """
     t0 = time.perf_counter()
     path = resolve_model_path(spec)
@@ -28,6 +29,6 @@ def load_model(spec: str, dtype: torch.dtype, tp: TPContext = NO_TP,
     if device != "cpu":  # move once, already in dtype: the model's own .to(dtype) are then no-ops
         state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
                  for k, v in state.items()}
-    model = LlamaModel(config, state, dtype, tp)
+    model = LlamaModel(config, state, dtype, tp, pack_cpu_linears=pack_cpu_linears and device == "cpu")
     log.info("weights of %s loaded in %.2f s", path.name, time.perf_counter() - t0)
     return model, path

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.cpu_linear import pack_weight
 from engine.layers import RotaryTable, apply_rope, linear, rms_norm, swiglu
 from engine.model_config import ModelConfig
 from engine.model_weights import LayerWeights, Shard, StateReader, layer_weights
@@ -22,10 +23,15 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 tp: TPContext = NO_TP):
+                 tp: TPContext = NO_TP, pack_cpu_linears: bool = False):
         """state: HF LlamaForCausalLM names (full, unsharded). Raises KeyError when a weight is
         missing, ValueError when the KV heads cannot be split over tp.size or when the state
-        holds weights this forward would ignore."""
+        holds weights this forward would ignore.
+
+        pack_cpu_linears: reorder every linear weight (qkv, o_proj, gate_up, down, lm_head) for
+        oneDNN once (engine.cpu_linear; CPU weights only, a no-op elsewhere). A tied lm_head then
+        gets its own packed copy (vocab x hidden more memory) while the embedding stays dense.
+        """
         self.config = config
         self.dtype = dtype
         self.tp = tp
@@ -39,9 +45,18 @@ class LlamaModel:
         self.lm_head = self.embed if lm_head is None or config.tie_word_embeddings \
             else lm_head.to(dtype)
         reader.check_all_used()
+        if pack_cpu_linears:
+            self._pack_linears()
         self.rope = RotaryTable(config.head_dim, config.rope_theta, dtype,
                                 scaling=config.rope_scaling)
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
+
+    def _pack_linears(self) -> None:
+        """Replace each linear weight by its oneDNN-packed form (engine.cpu_linear.pack_weight)."""
+        for w in self.layers:
+            w.qkv, w.o_proj = pack_weight(w.qkv), pack_weight(w.o_proj)
+            w.gate_up, w.down = pack_weight(w.gate_up), pack_weight(w.down)
+        self.lm_head = pack_weight(self.lm_head)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,

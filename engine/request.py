@@ -42,6 +42,25 @@ class EngineRequest:
     first_token_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_tokens_later: bool = False
+    movable: bool = False
+    kv_num_tokens: int | None = None
+
+
+@dataclass
+class MovedKV:
+    """What a request moved off a draining engine leaves for its next server (finish reason ``"moved"``).
+
+    token_ids: prompt + every output token so far; the KV of the first ``kv_num_tokens`` of them
+    (``len(token_ids) - 1``: the last sampled token has no KV yet) sits in the parked blocks
+    (``RequestOutput.parked_block_ids``, token order, the last one partial). block_hashes: the
+    :mod:`pdserve.block_hash` names of the full blocks among them (partial pulls; [] without a
+    prefix cache).
+    """
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    kv_num_tokens: int
+    block_hashes: list[bytes]
 
 
 @dataclass
@@ -57,7 +76,8 @@ class RequestOutput:
     ``usage.prompt_tokens_details.cached_tokens``; 0 until admitted). new_logprobs: one per
     new_token_ids entry when sampling.logprobs is set, else None. prompt_logprobs (sampling.
     prompt_logprobs set): one per prompt token (None for the first), on the first output that
-    carries output tokens, else None.
+    carries output tokens, else None. moved: set on the final output of a request moved off this
+    engine (finish reason ``"moved"``, blocks parked).
     """
 
     request_id: str
@@ -72,6 +92,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    moved: MovedKV | None = None
 
 
 @dataclass

@@ -7,10 +7,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
 from engine.kv_connector import NO_CONNECTOR_COUNTS, KVConnector
 from engine.request import KVPull, Phase
 from engine.sequence import SeqStatus, Sequence
+from pdserve.config import EngineSettings
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Scheduler:
     a prefix hit then needs only the blocks that window reaches (BlockManager.match_prefix).
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, connector: KVConnector | None = None,
+    def __init__(self, config: EngineSettings, block_manager: BlockManager, connector: KVConnector | None = None,
                  sliding_window: int | None = None):
         self.config = config
         self.bm = block_manager

@@ -62,6 +62,7 @@ class Sequence:
         self.prompt_logprobs_reported = False
         self.finish_reason: str | None = None
         self.parked = False
+        self.moved = None  # engine.request.MovedKV once moved off a draining engine
         self.arrival_s = time.monotonic()
         self.queue_time_s: float | None = None   # arrival → first admitted (blocks allocated)
         self.queue_time_reported = False
@@ -70,6 +71,8 @@ class Sequence:
         self.num_cached_tokens: int | None = (req.num_cached_tokens
                                               if req.phase is Phase.GENERATION_ONLY else None)
         self.source_block_hashes = req.source_block_hashes  # GENERATION_ONLY: the sender's block names
+        self.movable = req.movable
+        self.kv_num_tokens = req.kv_num_tokens  # GENERATION_ONLY of a moved request: tokens the pull brings
         self.grammar: GrammarMatcher | None = None  # set by the engine for a structured-output request
 
     def mark_admitted(self) -> None:
@@ -88,6 +91,18 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def kv_source_tokens(self) -> list[int]:
+        """GENERATION_ONLY before its KV landed: the tokens whose KV the sender holds (the prompt, or
+        for a moved request prompt + first_token_ids but the last: ``kv_num_tokens`` of them)."""
+        if self.kv_num_tokens is None:
+            return list(self.token_ids)
+        return self.token_ids + self.first_token_ids[:self.kv_num_tokens - self.num_tokens]
+
+    @property
+    def in_decode(self) -> bool:
+        """Has output and exactly its last sampled token left to compute: a step boundary of decode."""
+        return self.num_output_tokens > 0 and self.num_computed == self.num_tokens - 1
 
     @property
     def finished(self) -> bool:

@@ -66,12 +66,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
-                            ) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Render messages with the model's own chat template and tokenize the result.
 
-        Raises ValueError when the tokenizer has no chat template.
+        ``tools`` (OpenAI's JSON shape) reach the template as ``tools``; ``template_kwargs`` as
+        extra template variables (``chat_template_kwargs``, e.g. ``enable_thinking``).
+        Raises ValueError when the tokenizer has no chat template or the template fails.
         """
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
+        import jinja2
+
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                               tokenize=False, tools=tools, **(template_kwargs or {}))
+        except jinja2.TemplateError as err:
+            raise ValueError(f"the chat template failed: {err}") from None
         return self.encode(text, add_special_tokens=False)

@@ -27,6 +27,9 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
     except ValueError as e:
         raise RequestValidationError(f"request {req.request_id}: {e}") from e
     first = req.first_token_ids
+    if req.kv_num_tokens is not None and (phase is not Phase.GENERATION_ONLY or req.first_tokens_later):
+        raise RequestValidationError(f"request {req.request_id}: kv_num_tokens only goes with GENERATION_ONLY "
+                                     "and its first tokens")
     if phase is Phase.GENERATION_ONLY and req.first_tokens_later:
         if first:
             raise RequestValidationError(
@@ -41,6 +44,10 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
         if p + len(first) > max_model_len:
             raise RequestValidationError(
                 f"request {req.request_id}: prompt + first tokens exceed max_model_len")
+        if req.kv_num_tokens is not None and not p <= req.kv_num_tokens <= p + len(first) - 1:
+            raise RequestValidationError(
+                f"request {req.request_id}: kv_num_tokens {req.kv_num_tokens} outside [prompt {p}, "
+                f"prompt + first tokens - 1 = {p + len(first) - 1}]")
     elif first:
         raise RequestValidationError(
             f"request {req.request_id}: first_token_ids only go with GENERATION_ONLY")

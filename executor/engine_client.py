@@ -141,8 +141,9 @@ class EngineClient(abc.ABC):
         """
 
     @abc.abstractmethod
-    def drain(self) -> None:
-        """Stop admitting new requests; in-flight ones finish."""
+    def drain(self, move_kv: bool = False) -> None:
+        """Stop admitting new requests; in-flight ones finish, or (``move_kv``) the movable ones are
+        moved off at their next decode step: their streams end with a ``moved`` event."""
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

@@ -33,6 +33,10 @@ Ordering rules (tested on both transports in ``tests/executor/test_engine_loop.p
 - When the engine has work but its last step could not schedule anything (requests waiting for
   blocks while nothing runs, requests waiting for their KV pull) and nothing arrived since, the
   loop waits (bounded) instead of polling: only a command or a post can change that.
+- A ``Drain(move_kv=True)`` makes every later step first call ``engine.move_out()``: a movable
+  request at a decode step boundary finishes with reason ``moved`` (the role parks its blocks and
+  delivers the hand-off before that final output), so a request that was still pulling or
+  prefilling moves once it decodes.
 - ``Shutdown`` ends the loop after the iteration it arrives in (no further step); the role is
   stopped when the loop ends, however it ends. A failing step propagates out of :meth:`run`;
   :meth:`run_or_report` turns it into an ``EngineDead`` event on every lane.
@@ -102,6 +106,7 @@ class EngineLoop:
         self._out: dict[int, list[Event]] = defaultdict(list)
         self._stopping = False
         self._stalled = False  # the last step could not schedule anything and nothing arrived since
+        self._moving = False   # drained with move_kv: movable requests leave at their next decode step
         self._last_stats: dict | None = None
         self._last_stats_t = 0.0
         self._handlers: dict[type, Callable] = {
@@ -163,6 +168,8 @@ class EngineLoop:
             n += 1
 
     def _step(self) -> None:
+        if self._moving:  # every iteration: requests still pulling or prefilling move once they decode
+            self.engine.move_out()
         result = self.engine.step()
         for pull in result.kv_pulls:
             self.role.on_pull(pull)
@@ -225,6 +232,13 @@ class EngineLoop:
         if self.state == EngineState.SERVING:
             self.state = EngineState.DRAINING
             self._last_stats = None  # push the new state at once
+        if cmd.move_kv and not self.role.can_move_kv:
+            log.warning("drain with move_kv: the %s role cannot park moved KV; in-flight requests finish here",
+                        self.role.name)
+        elif cmd.move_kv and self.state == EngineState.DRAINING and not self._moving:
+            log.info("draining by moving KV: movable requests leave at their next decode step")
+            self._moving = True
+            self._stalled = False
 
     def _shutdown(self, cmd: Shutdown) -> None:
         log.info("engine loop stopping: %s", cmd.reason)

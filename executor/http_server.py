@@ -39,9 +39,11 @@ from executor.openai_adapter import (
     completion_logprobs_of,
     full_response,
     prompt_token_ids,
+    request_tool_use,
     response_shape,
     sampling_params,
 )
+from pdserve.output_parser import ParsedDelta, output_parser
 from executor.logprobs_format import chat_logprobs, to_wire
 from executor.phases import PhaseAnswer, PhaseError, PhaseHandler
 from executor.structured_check import check_structured_output
@@ -265,13 +267,17 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         raise ApiError(400, f"this {cfg.role} server does not run {rtype} requests", param="disaggregated_params")
     if rtype == "context_only" and body.stream:
         raise ApiError(400, "context_only requests cannot stream", param="stream")
+    if disagg is not None and disagg.movable and not body.stream:
+        raise ApiError(400, "only a streamed request can be movable (its stream ends with the moved event)",
+                       param="disaggregated_params")
     try:
         if rtype == "generation_only" and not disagg.awaits_ctx:
             prompt = list(disagg.prompt_token_ids)  # generation_first: tokenized here, checked against the ctx's
         else:
             prompt = prompt_token_ids(body, state.client.tokenizer, state.vocab_size)
         check_length(len(prompt), state.client.max_model_len, "messages" if chat else "prompt")
-        params = sampling_params(body)
+        tools = request_tool_use(body)
+        params = sampling_params(body, tools)
         if state.grammars is not None:
             check_structured_output(state.grammars, body, params)
     except BadRequest as err:
@@ -279,15 +285,17 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
     ereq = engine_request(rid, prompt, params, disagg, body.cache_salt)
     answer = PhaseAnswer()
-    run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer),
-               response_shape(body, prompt, state.client.tokenizer))
+    shape = response_shape(body, prompt, state.client.tokenizer)
+    if chat and not (disagg and disagg.raw_output):  # else the caller parses the text it assembles
+        shape.parser = output_parser(tools, cfg.model.tool_call_parser, cfg.model.reasoning_parser)
+    run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer), shape)
     first = await run.first_unless_disconnected(request)
     if first is None:
         return Response(status_code=499)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         token_ids = bool(disagg and disagg.stream_token_ids)
-        return StreamingResponse(run.sse(first, include_usage, token_ids), media_type="text/event-stream")
+        return StreamingResponse(run.sse(first, include_usage, token_ids, answer), media_type="text/event-stream")
     return await run.collect(first, request, answer)
 
 
@@ -338,8 +346,9 @@ class _Run:
         if out.finished:
             m.e2e.labels(request_type=self.rtype).observe(now - self.t_submit)
             m.requests.labels(request_type=self.rtype, outcome=out.finish_reason or "handed_off").inc()
-            m.prompt_tokens.inc(out.num_prompt_tokens)
-            m.generation_tokens.inc(out.num_output_tokens)
+            if out.finish_reason != "moved":  # a moved request's tokens are counted by its target
+                m.prompt_tokens.inc(out.num_prompt_tokens)
+                m.generation_tokens.inc(out.num_output_tokens)
 
     async def first_unless_disconnected(self, request: Request) -> RequestOutput | None:
         """The first output, or None (request aborted) if the client left before it came — on a ctx
@@ -389,24 +398,36 @@ class _Run:
             data["choices"][0].pop("disaggregated_params", None)
         return JSONResponse(data)
 
-    async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+    async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False,
+                  answer: PhaseAnswer | None = None) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the first byte becomes an error event, then [DONE].
 
         ``token_ids``: every output with new tokens becomes a chunk (also one whose text is held
-        back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token."""
+        back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token.
+        A request moved off this draining server (finish reason ``moved``) ends with one event
+        ``{"moved": disaggregated_params}`` (``answer.moved``: its lease here, token ids so far) and
+        ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it)."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         shape, offset = self.shape, 0
         try:
             out, is_first = first, True
             while out is not None:
-                if (out.new_text or out.finished or is_first or (token_ids and out.new_token_ids)
-                        or (shape.logprobs is not None and out.new_logprobs)):
+                if out.finished and out.finish_reason == "moved":
+                    yield self._moved_event(answer)
+                    yield SSE_DONE
+                    return
+                parsed = self._parsed(out)
+                if ((parsed if parsed is not None else out.new_text) or out.finished or is_first
+                        or (token_ids and out.new_token_ids) or (shape.logprobs is not None and out.new_logprobs)):
                     text = (shape.echo or "") + out.new_text if is_first else out.new_text
                     lp, offset = self._chunk_logprobs(out, is_first, offset)
                     usage = self.acc.usage() if shape.continuous_usage else None
-                    yield enc.event(text, out.finish_reason if out.finished else None, role=is_first,
-                                    logprobs=lp, usage=usage,
-                                    token_ids=list(out.new_token_ids) if token_ids else None)
+                    finish = out.finish_reason if out.finished else None
+                    if parsed is not None and finish is not None:
+                        finish = shape.parser.finish_reason(finish)
+                    yield enc.event(text, finish, role=is_first, logprobs=lp, usage=usage,
+                                    token_ids=list(out.new_token_ids) if token_ids else None,
+                                    delta=None if parsed is None else parsed.to_openai())
                     is_first = False
                 if out.finished:
                     break
@@ -418,6 +439,19 @@ class _Run:
         finally:
             await self.outputs.aclose()
         yield SSE_DONE
+
+    @staticmethod
+    def _moved_event(answer: PhaseAnswer | None) -> bytes:
+        if answer is None or answer.moved is None:  # the role failed the stream instead (never both)
+            return sse_event(error_body("the request was moved without its KV parameters", "internal_error", 500))
+        return sse_event({"moved": answer.moved.model_dump(mode="json", exclude_none=True)})
+    def _parsed(self, out: RequestOutput) -> ParsedDelta | None:
+        """The output's text read by the answer's parser (flushed at the last output); None without one."""
+        parser = self.shape.parser
+        if parser is None or not self.chat:
+            return None
+        parsed = parser.feed(out.new_text)
+        return parsed + parser.finish() if out.finished else parsed
 
     def _chunk_logprobs(self, out: RequestOutput, is_first: bool, offset: int) -> tuple[dict | None, int]:
         """The logprobs object of one streamed chunk and the completions text offset after it."""

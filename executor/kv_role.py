@@ -7,7 +7,8 @@ submitted, the engine asks for a KV pull, the engine produced an output, a reque
 (``ctx_worker.kv_role``) parks and serves blocks; the gen role (``gen_worker.kv_role``) pulls them.
 
 Items a role hands to a request's stream besides engine outputs: :class:`KVHandoff` (ctx: the
-answer's ``disaggregated_params``) and :class:`KVTransferDone` (gen: bytes and seconds of a pull),
+answer's ``disaggregated_params``), :class:`KVTransferDone` (gen: bytes and seconds of a pull),
+:class:`KVMoved` (gen: a request moved off a draining server, its lease's params),
 or an exception (:class:`executor.phases.PhaseError`) that fails the request.
 """
 
@@ -44,6 +45,15 @@ class KVHandoff:
 
 
 @dataclass
+class KVMoved:
+    """gen, drain by moving KV: the request left this engine at a decode step boundary and its
+    blocks are parked; ``params`` tell a target gen server how to pull them and decode on."""
+
+    request_id: str
+    params: "DisaggregatedParams"
+
+
+@dataclass
 class KVTransferDone:
     """A ``generation_only`` request's KV landed: ``nbytes`` bytes in ``seconds``."""
 
@@ -66,6 +76,7 @@ class WorkerRole:
     """A role with no KV movement (colocated only); the base of the ctx and gen roles."""
 
     name = "colocated"
+    can_move_kv = False  # parks and serves the KV of requests moved off a draining engine (gen role)
 
     def start(self, engine: "LLMEngine", ops: WorkerOps, shards: RankShards) -> None:
         """Called once on the loop owner before the first request; the role may start threads."""

@@ -106,7 +106,11 @@ class KVSourceReady:
 
 @dataclass(frozen=True)
 class Drain:
-    """Stop admitting new requests (serving → draining); in-flight ones finish."""
+    """Stop admitting new requests (serving → draining); in-flight ones finish, or with ``move_kv``
+    every movable request is moved off at its next decode step boundary (its KV parked under a
+    lease for another gen server; :meth:`engine.llm_engine.LLMEngine.move_out`)."""
+
+    move_kv: bool = False
 
 
 @dataclass(frozen=True)

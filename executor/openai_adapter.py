@@ -16,6 +16,10 @@ from engine.request import EngineRequest, Phase, RequestOutput
 from engine.sampling_params import SamplingParams
 from executor.logprobs_format import (TokenNamer, chat_logprobs, completion_logprobs, from_wire, join_completion,
                                       prompt_first)
+from pdserve.chat_template import hf_messages, template_tools
+from pdserve.structured_output import StructuredOutputSpec
+from pdserve.output_parser import OutputParser
+from pdserve.tool_use import NO_TOOLS, ToolError, ToolUse, check_template_kwargs, tool_use
 from pdserve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -31,6 +35,7 @@ from pdserve.protocol import (
     CompletionResponse,
     DisaggregatedParams,
     PromptTokensDetails,
+    ToolCall,
     Usage,
 )
 
@@ -46,9 +51,13 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def sampling_params(body: ChatCompletionRequest | CompletionRequest, tools: ToolUse = NO_TOOLS) -> SamplingParams:
     """The engine's sampling parameters for an OpenAI body. Raises :class:`BadRequest` for what
-    the schema accepts but this server cannot do (``best_of`` > 1, ``min_tokens`` > ``max_tokens``)."""
+    the schema accepts but this server cannot do (``best_of`` > 1, ``min_tokens`` > ``max_tokens``).
+
+    ``tools`` (:func:`request_tool_use`): a forced choice (``required``, a named function)
+    constrains the output to its call's JSON Schema (a structured-output spec, as
+    ``response_format`` would; the two together are a 400)."""
     chat = isinstance(body, ChatCompletionRequest)
     if not chat and body.best_of is not None and body.best_of > 1:
         raise BadRequest("best_of > 1 is not supported (each request returns the one choice it samples)", "best_of")
@@ -73,8 +82,18 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
         logit_bias=body.token_bias(),
         logprobs=k,
         prompt_logprobs=k if not chat and body.echo else None,
-        structured_output=body.structured_output_spec(),
+        structured_output=_output_spec(body, tools),
     )
+
+
+def _output_spec(body: ChatCompletionRequest | CompletionRequest, tools: ToolUse) -> StructuredOutputSpec | None:
+    spec = body.structured_output_spec()
+    if tools.mode != "forced":
+        return spec
+    if spec is not None:
+        raise BadRequest("tool_choice required or a named function constrains the output to a call; it cannot be "
+                         "combined with response_format or guided_* fields", "tool_choice")
+    return StructuredOutputSpec(kind="json_schema", json_schema=tools.schema)
 
 
 def _temperature(value: float | None) -> float:
@@ -86,11 +105,7 @@ def _temperature(value: float | None) -> float:
 def prompt_token_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer, vocab_size: int) -> list[int]:
     """Tokenize the prompt (chat template for chat bodies). Raises :class:`BadRequest`."""
     if isinstance(body, ChatCompletionRequest):
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as err:
-            raise BadRequest(str(err), "messages") from None
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        ids = chat_prompt_ids(body, tokenizer)
     elif isinstance(body.prompt, str):
         ids = tokenizer.encode(body.prompt)
     else:
@@ -101,6 +116,36 @@ def prompt_token_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer,
     if not ids:
         raise BadRequest("the prompt is empty after tokenization", "prompt")
     return ids
+
+
+def chat_prompt_ids(body, tokenizer) -> list[int]:
+    """A chat body (or a ``/tokenize`` chat body) rendered by the chat template with its ``tools``
+    and ``chat_template_kwargs`` (:mod:`pdserve.chat_template`), tokenized. Raises :class:`BadRequest`."""
+    try:
+        check_template_kwargs(body.chat_template_kwargs)
+        messages = hf_messages([m.model_dump(exclude_none=True) for m in body.messages])
+    except ToolError as err:
+        raise BadRequest(str(err), err.param) from None
+    except ValueError as err:
+        raise BadRequest(str(err), "messages") from None
+    tools = template_tools([t.model_dump() for t in body.tools]) if body.tools else None
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                             tools=tools, template_kwargs=body.chat_template_kwargs)
+    except ValueError as err:
+        raise BadRequest(str(err), "messages") from None
+
+
+def request_tool_use(body: ChatCompletionRequest | CompletionRequest) -> ToolUse:
+    """What ``tools``/``tool_choice`` ask (:func:`pdserve.tool_use.tool_use`); completions have none.
+    Raises :class:`BadRequest` (400) for a choice naming no tool, a bad ``parameters`` schema, ..."""
+    if not isinstance(body, ChatCompletionRequest):
+        return NO_TOOLS
+    choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+    try:
+        return tool_use([t.model_dump() for t in body.tools] if body.tools else None, choice)
+    except ToolError as err:
+        raise BadRequest(str(err), err.param) from None
 
 
 def check_length(num_prompt_tokens: int, max_model_len: int, param: str = "messages") -> None:
@@ -123,7 +168,9 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     """Build the engine request for a body's phase (colocated when ``disagg`` is None).
 
     ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``) and
-    names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector)."""
+    names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector);
+    a moved request's pull covers ``disagg.kv_num_tokens`` tokens. ``disagg.movable``: the request
+    may be moved off this server when it drains with ``move_kv``."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
     gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
     later = gen_only and disagg.awaits_ctx  # generation_first: first tokens and cache hit come with the KV
@@ -135,20 +182,24 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
                          phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached,
                          first_token_logprobs=first_lp, prompt_logprobs=prompt_lp,
-                         source_block_hashes=hashes, first_tokens_later=later)
+                         source_block_hashes=hashes, first_tokens_later=later,
+                         movable=bool(disagg and disagg.movable),
+                         kv_num_tokens=disagg.kv_num_tokens if gen_only and not later else None)
 
 
 @dataclass
 class Shape:
     """What a response adds besides text: ``logprobs`` (top-k per token, None = none), completions
     ``echo`` (the prompt text to prefix, with ``prompt_ids`` for its logprobs), ``namer`` (token
-    text), ``continuous_usage`` (usage on every streamed chunk, vLLM's ``continuous_usage_stats``)."""
+    text), ``continuous_usage`` (usage on every streamed chunk, vLLM's ``continuous_usage_stats``),
+    ``parser`` (chat: the answer's text → reasoning_content / content / tool_calls; None: as is)."""
 
     logprobs: int | None = None
     echo: str | None = None
     prompt_ids: list[int] | None = None
     namer: TokenNamer | None = None
     continuous_usage: bool = False
+    parser: OutputParser | None = None  # chat: reasoning / tool calls read out of the text (pdserve.output_parser)
 
 
 def response_shape(body: ChatCompletionRequest | CompletionRequest, prompt: list[int], tokenizer) -> Shape:
@@ -197,13 +248,24 @@ def full_response(chat: bool, rid: str, created: int, model: str, acc: Accumulat
     text = "".join(acc.text)
     if chat:
         lp = chat_logprobs(acc.logprobs, shape.namer) if shape.logprobs is not None else None
-        choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=acc.finish_reason,
-                            disaggregated_params=disagg, logprobs=lp)
+        message, finish = ChatResponseMessage(content=text), acc.finish_reason
+        if shape.parser is not None and acc.finish_reason is not None:  # a ctx answer not final stays raw
+            message, finish = parsed_message(shape.parser, text), shape.parser.finish_reason(acc.finish_reason)
+        choice = ChatChoice(message=message, finish_reason=finish, disaggregated_params=disagg, logprobs=lp)
         return ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
     lp, _ = completion_logprobs_of(shape, acc.prompt_logprobs, acc.logprobs, 0)
     choice = CompletionChoice(text=(shape.echo or "") + text, finish_reason=acc.finish_reason,
                               disaggregated_params=disagg, logprobs=lp)
     return CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
+
+
+def parsed_message(parser: OutputParser, text: str) -> ChatResponseMessage:
+    """The message of a whole answer ``text`` read by ``parser`` (fed once, then finished)."""
+    parser.feed(text)
+    parser.finish()
+    parts = parser.message()
+    calls = [ToolCall.model_validate(c) for c in parts["tool_calls"]] if parts["tool_calls"] else None
+    return ChatResponseMessage(content=parts["content"], reasoning_content=parts["reasoning_content"], tool_calls=calls)
 
 
 def completion_logprobs_of(shape: Shape, prompt_lp: list[TokenLogprob | None] | None,
@@ -253,17 +315,21 @@ class ChunkEncoder:
 
     def event(self, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: dict | None = None, usage: Usage | None = None,
-              token_ids: list[int] | None = None) -> bytes:
+              token_ids: list[int] | None = None, delta: dict | None = None) -> bytes:
         """One content chunk (``role`` marks the first chat chunk with ``"assistant"``; ``logprobs``:
         the choice's logprobs object; ``usage``: continuous usage stats).
 
         ``token_ids`` (when not None) adds the extension field ``"token_ids"`` to the choice: the
-        output token ids this chunk's text came from (``disaggregated_params.stream_token_ids``)."""
+        output token ids this chunk's text came from (``disaggregated_params.stream_token_ids``).
+        ``delta`` (chat, when an output parser runs): the delta's fields instead of ``text``
+        (:meth:`pdserve.output_parser.ParsedDelta.to_openai`)."""
         lp = "null" if logprobs is None else _dumps(logprobs)
         use = "null" if usage is None else _dumps(usage.model_dump())
         ids = "" if token_ids is None else f'"token_ids":{_dumps(token_ids)},'
         end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":{lp}}}],"usage":{use}}}\n\n'
-        if self.chat:
+        if self.chat and delta is not None:
+            choice = f'{{"index":0,"delta":{_dumps({"role": "assistant" if role else None, **delta})},'
+        elif self.chat:
             role_json = '"assistant"' if role else "null"
             choice = f'{{"index":0,"delta":{{"role":{role_json},"content":{_dumps(text)}}},'
         else:

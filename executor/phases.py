@@ -15,14 +15,17 @@ from typing import Protocol
 
 from engine.request import EngineRequest, KVPull, RequestOutput
 from executor.engine_client import EngineClient
+from executor.kv_role import KVMoved
 from pdserve.protocol import DisaggregatedParams
 
 
 @dataclass
 class PhaseAnswer:
-    """What a handler adds to the response besides tokens (the ctx answer's params)."""
+    """What a handler adds to the response besides tokens: the ctx answer's params, or ``moved``
+    (the params of a request moved off this draining server; its stream ends with a moved event)."""
 
     disaggregated_params: DisaggregatedParams | None = None
+    moved: DisaggregatedParams | None = None
 
 
 class PhaseError(RuntimeError):
@@ -58,4 +61,7 @@ class ColocatedPhase:
         async for item in self.client.generate(request):
             if isinstance(item, KVPull):  # cannot happen for this phase; refuse loudly
                 raise PhaseError("engine asked for a KV pull on a colocated request", 500, "internal")
+            if isinstance(item, KVMoved):  # drained with move_kv: the final output (reason "moved") follows
+                answer.moved = item.params
+                continue
             yield item

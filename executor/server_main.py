@@ -28,7 +28,7 @@ from executor.frontends import AttachedFrontends, lattice_state
 from executor.http_server import ServerState, create_server_app
 from executor.kv_role import RankShards
 from executor.proxy import Proxy, StartupError
-from executor.server_setup import engine_config, kv_layout, load_plugin, make_state, worker_plugin
+from executor.server_setup import kv_layout, load_plugin, make_engine, make_state, worker_plugin
 from executor.lifecycle import ExitPolicy, LifecycleServer, ServerLifecycle
 from executor.messages import EngineDead
 from executor.step_guard import guard_engine
@@ -66,7 +66,6 @@ def resolve_dtype_once(cfg: ServerConfig, cpu_flags: frozenset[str],
 
 def build_inproc_state(cfg: ServerConfig) -> ServerState:
     """Load the engine in this process and run its loop in a thread."""
-    from engine.llm_engine import LLMEngine
     from executor.inproc_executor import InProcessExecutor
 
     if cfg.engine.tp_size > 1:
@@ -74,7 +73,7 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
     if "auto" in (cfg.engine.dtype, cfg.engine.device):  # built without main() (tests, embedding): resolve here, once
         cfg = resolve_dtype_once(cfg, read_cpu_flags())
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config(cfg))
+    engine = make_engine(cfg)
     log.info("%s[%d]: engine ready in %.1f s (context window %d tokens)", cfg.role, cfg.index,
              time.perf_counter() - t0, engine.max_model_len)
     layout = kv_layout(cfg, engine)

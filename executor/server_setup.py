@@ -1,7 +1,7 @@
 """What every process of one server builds from its :class:`ServerConfig` (a leaf of the executor).
 
-The role plugins table, the mapping of the topology's engine settings onto the engine's config,
-the KV layout of each TP rank, and the HTTP state of one frontend. Frontend 0
+The role plugins table, the engine of one rank (built from the server's engine settings as
+they are), the KV layout of each TP rank, and the HTTP state of one frontend. Frontend 0
 (``executor.server_main``), attached frontends (``executor.frontends``), the proxy and the worker
 ranks (``executor.worker_main``) all import these from here, so none of them imports another's
 entry point (no import circle; ``tests/executor/test_import_graph.py`` checks).
@@ -39,18 +39,18 @@ def load_plugin(path: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-def engine_config(cfg: ServerConfig, kv_cache_file: str | None = None):
-    """Map the topology's engine settings onto the engine's own config."""
-    from engine.config import EngineConfig
+def make_engine(cfg: ServerConfig, tp=None, *, device: str | None = None, kv_cache_file: str | None = None):
+    """Load the engine of one rank of server ``cfg``: ``cfg.engine`` passed whole (dtype and device
+    resolved, else ValueError), the weights of ``model.path``, blocks named by ``model.name``.
 
-    e = cfg.engine
-    extra = {"kv_cache_file": kv_cache_file} if kv_cache_file else {}
-    return EngineConfig(model=cfg.model.path, dtype=e.dtype, device=e.device, block_size=e.block_size,
-                        num_kv_blocks=e.num_kv_blocks, gpu_memory_utilization=e.gpu_memory_utilization,
-                        max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
-                        max_model_len=e.max_model_len, num_threads=e.num_threads,
-                        kv_cache_huge_pages=e.kv_cache_huge_pages, enable_prefix_caching=e.enable_prefix_caching,
-                        served_model_name=cfg.model.name, **extra)
+    tp: the rank's engine.tp.TPContext (None: one rank). device: this rank's device where it is
+    not ``cfg.engine.device`` (TP rank r on ``cuda:N+r``). kv_cache_file: the shared-memory file
+    that backs a TP follower's KV cache. Raises what ``engine.LLMEngine`` raises.
+    """
+    from engine.llm_engine import LLMEngine
+
+    settings = cfg.engine if device is None else cfg.engine.model_copy(update={"device": device})
+    return LLMEngine(settings, cfg.model.path, tp, served_model_name=cfg.model.name, kv_cache_file=kv_cache_file)
 
 
 def kv_layout(cfg: ServerConfig, engine, tp_rank: int = 0, tp_size: int = 1) -> KVLayoutModel:

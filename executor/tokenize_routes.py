@@ -1,7 +1,8 @@
 """Tokenizer and identity routes of one ctx/gen server (vLLM's and OpenAI's shapes).
 
 * ``POST /tokenize``: ``{prompt}`` or ``{messages}`` → ``{count, max_model_len, tokens, token_strs}``
-  (chat messages are rendered with the model's chat template, as ``/v1/chat/completions`` does).
+  (chat messages are rendered with the model's chat template, as ``/v1/chat/completions`` does,
+  with the body's ``tools`` and ``chat_template_kwargs``).
 * ``POST /detokenize``: ``{tokens}`` → ``{prompt}`` (special tokens kept, as vLLM does).
 * ``GET /v1/models/{id}``: the model card, or 404 ``model_not_found``.
 * ``GET /version``: ``{"version": ...}`` of the installed pdserve.
@@ -13,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from executor.http_server import ApiError, ServerState, read_request
+from executor.openai_adapter import BadRequest, chat_prompt_ids
 from pdserve.version import pdserve_version
 from pdserve.request_body import BodyError, decode_json, read_limited, validate_request
 from pdserve.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, TokenizeChatRequest,
@@ -39,11 +41,9 @@ def _token_ids(state: ServerState, raw: dict) -> tuple[list[int], bool]:
         body = _validated(raw, TokenizeChatRequest)
         _check_model(state, body.model)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as err:
-            raise ApiError(400, str(err), param="messages") from None
-        return tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt), \
-            body.return_token_strs
+            return chat_prompt_ids(body, tok), body.return_token_strs
+        except BadRequest as err:
+            raise ApiError(400, str(err), param=err.param) from None
     body = _validated(raw, TokenizeCompletionRequest)
     _check_model(state, body.model)
     return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens), body.return_token_strs

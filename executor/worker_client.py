@@ -134,9 +134,9 @@ class WorkerClient(EngineClient):
         finally:
             self._calls.pop(call_id, None)
 
-    def drain(self) -> None:
+    def drain(self, move_kv: bool = False) -> None:
         self._requests.transition(EngineState.SERVING, EngineState.DRAINING)
-        self._send(Drain())
+        self._send(Drain(move_kv))
 
     # ---- events from the engine loop (any thread) -----------------------------------------
     def dispatch(self, event: Event) -> None:

@@ -18,7 +18,6 @@ the HMAC key (``key``) are files in the private IPC directory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -80,8 +79,7 @@ def init_tensor_parallel(comm, rank: int, size: int, timeout_s: float, device: s
 
 def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
     """Load this rank's engine shard; rank 0 also builds the worker role. Returns (engine, role, info)."""
-    from engine.llm_engine import LLMEngine
-    from executor.server_setup import engine_config, kv_layout, load_plugin
+    from executor.server_setup import kv_layout, load_plugin, make_engine
     from pdserve.config import ServerConfig
 
     if os.environ.get(CRASH_ENV) == str(rank):
@@ -89,10 +87,10 @@ def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
     cfg = ServerConfig.model_validate(spec["server"])
     # Followers' caches are files rank 0 maps (in the IPC dir: /dev/shm where possible); rank 0's
     # own cache is anonymous memory (huge pages).
-    econf = engine_config(cfg, kv_cache_file=str(kv_cache_file(ipc, rank)) if rank > 0 else None)
-    if is_cuda(econf.device):  # one GPU per rank; a CUDA cache is device memory, not a shared file
-        econf = dataclasses.replace(econf, device=tp_rank_device(econf.device, rank), kv_cache_file=None)
-    engine = LLMEngine(econf, tp=tp) if tp is not None else LLMEngine(econf)
+    if is_cuda(cfg.engine.device):  # one GPU per rank; a CUDA cache is device memory, not a shared file
+        engine = make_engine(cfg, tp, device=tp_rank_device(cfg.engine.device, rank))
+    else:
+        engine = make_engine(cfg, tp, kv_cache_file=str(kv_cache_file(ipc, rank)) if rank > 0 else None)
     if rank > 0:  # a follower holds only its model shard and KV cache
         return engine, None, {}
     layouts = [kv_layout(cfg, engine, r, size) for r in range(size)]

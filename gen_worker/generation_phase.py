@@ -17,10 +17,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
+
 from engine.request import EngineRequest, RequestOutput
 from executor.engine_client import EngineClient
 from executor.http_server import ServerState
-from executor.kv_role import KVTransferDone
+from executor.kv_role import KVMoved, KVTransferDone
 from executor.metrics import ServerMetrics
 from executor.phases import PhaseAnswer, PhaseError
 from gen_worker.ctx_wait import CtxWaiter
@@ -47,6 +50,9 @@ class GenerationPhase:
             stream = self.client.generate(request, params)
         async for item in stream:
             if isinstance(item, KVTransferDone):  # counted by the worker side (pdserve_kv_transfer_*)
+                continue
+            if isinstance(item, KVMoved):  # drained with move_kv: the final output (reason "moved") follows
+                answer.moved = item.params
                 continue
             yield item
 
@@ -103,9 +109,28 @@ class GenerationPhase:
             raise PhaseError("prompt + first tokens exceed the context window", 400, "invalid_request_error")
 
 
+def release_router(client: EngineClient) -> APIRouter:
+    """``POST /disagg/release``: the orchestrator gives up the lease of a request moved off this
+    (draining) server, e.g. because its client left before a target pulled it."""
+    router = APIRouter()
+
+    @router.post("/disagg/release")
+    async def release(body: ReleaseBody) -> dict:
+        return {"released": await client.release_lease(body.ctx_request_id)}
+
+    return router
+
+
+class ReleaseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ctx_request_id: str
+
+
 def setup_gen_frontend(state: ServerState) -> None:
-    """Add the ``generation_only`` handler to a gen server (and the HTTP client its waits use)."""
+    """Add the ``generation_only`` handler to a gen server (and the HTTP client its waits use), and
+    the release route of moved requests' leases."""
     waiter = CtxWaiter(state.config.kv_transfer.ctx_wait_ms)
     state.on_shutdown.append(waiter.close)
     state.handlers["generation_only"] = GenerationPhase(state.client, state.kv_layouts or [state.kv_layout],
                                                         state.metrics, waiter, state.vocab_size)
+    state.routers.append(release_router(state.client))

@@ -21,10 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest, KVPull
-from executor.kv_role import KVTransferDone, RankShards, WorkerOps, WorkerRole
+from engine.request import EngineRequest, KVPull, RequestOutput
+from executor.kv_role import KVMoved, KVTransferDone, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
+from gen_worker.kv_park import KVParking
 from gen_worker.kv_source import KVSources
+from kv_transfer.lease import LeaseError
 from kv_transfer.formatter import pull_plan
 from kv_transfer.layout import KVLayout, KVLayoutMismatch, blocks_for_tokens, check_tp_pairing
 from kv_transfer.stats import TransferStats
@@ -39,12 +41,17 @@ MAX_CONCURRENT_PULLS = 4
 
 
 class GenKVRole(WorkerRole):
-    """Pulls the KV of ``generation_only`` requests."""
+    """Pulls the KV of ``generation_only`` requests; parks the KV of requests moved off it when it
+    drains with ``move_kv`` (:class:`gen_worker.kv_park.KVParking`; ``host``/``port``: where that
+    transceiver listens, 0 = any free port)."""
 
     name = "gen"
+    can_move_kv = True
 
-    def __init__(self, settings: KVTransferSettings, layout: KVLayout) -> None:
+    def __init__(self, settings: KVTransferSettings, layout: KVLayout, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
         self.settings, self.layout = settings, layout
+        self.parking = KVParking(settings, host, port, self._moved_lease_freed)
         self._clients: dict[tuple[str, str], KVClient] = {}  # (scheme, layout) -> client, made on first use
         self._sources = KVSources()
         self._in_flight: dict[str, bool] = {}  # request id -> aborted while pulling
@@ -61,6 +68,25 @@ class GenKVRole(WorkerRole):
     def on_submit(self, request: EngineRequest, disagg: DisaggregatedParams | None) -> None:
         if disagg is not None and disagg.request_type == "generation_only":
             self._sources.submitted(request.request_id, disagg)
+
+    def on_output(self, out: RequestOutput) -> None:
+        if out.moved is None or not out.finished:
+            return
+        try:
+            params = self.parking.park(out, self.shards)
+        except (OSError, RuntimeError, LeaseError) as err:  # no lease: free the blocks, fail the stream
+            log.error("request %s: cannot park its KV to move it (%s); failing it", out.request_id, err)
+            self.engine.release_parked(out.request_id)
+            self.ops.deliver(out.request_id, PhaseError(f"drain could not park this request's KV: {err}", 503,
+                                                        "service_unavailable"))
+            return
+        self.ops.deliver(out.request_id, KVMoved(out.request_id, params))
+
+    def _moved_lease_freed(self, request_id: str) -> None:
+        self.ops.post(lambda engine: engine.release_parked(request_id))
+
+    def release(self, ctx_request_id: str) -> bool:
+        return self.parking.release(ctx_request_id)
 
     def on_pull(self, pull: KVPull) -> None:
         try:
@@ -173,6 +199,8 @@ class GenKVRole(WorkerRole):
         self.ops.deliver(rid, PhaseError(message, status, "kv_transfer_error"))
 
     def intercept_abort(self, request_id: str) -> bool:
+        if self.parking.release(request_id):  # moved: freed through its lease, after any pull in progress
+            return True
         self._sources.forget(request_id)
         with self._lock:
             if request_id in self._in_flight:
@@ -184,9 +212,10 @@ class GenKVRole(WorkerRole):
         same_host = sum(getattr(c, "same_host_reads", 0) for c in list(self._clients.values()))
         return {"kv_transfer": {"received": self._received.snapshot()}, "kv_pull_failures": self._failures,
                 "kv_same_host_reads": same_host, "kv_blocks_pulled": self._blocks_pulled,
-                "kv_blocks_skipped": self._blocks_skipped}
+                "kv_blocks_skipped": self._blocks_skipped, **self.parking.stats()}
 
     def stop(self) -> None:
+        self.parking.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for client in self._clients.values():
             client.stop()
@@ -194,4 +223,4 @@ class GenKVRole(WorkerRole):
 
 def make_worker_role(cfg, layout: KVLayout) -> GenKVRole:
     """The gen worker role of one server (``cfg``: :class:`pdserve.config.ServerConfig`)."""
-    return GenKVRole(cfg.kv_transfer, layout)
+    return GenKVRole(cfg.kv_transfer, layout, cfg.host, cfg.kv_port)

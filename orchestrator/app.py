@@ -124,7 +124,8 @@ class Orchestrator:
         flow = GenerationFirstFlow if s.schedule_style == "generation_first" else DisaggFlow
         self.flow = flow(self.pools, self.routers, self.upstream, s, self.metrics, self.tasks, self.tokenizer,
                          ctx_engine.block_size, self.topology.model.name, ctx_engine.dtype, self.selfcheck,
-                         auth=self.upstream_auth)
+                         auth=self.upstream_auth,
+                         parsers=(self.topology.model.tool_call_parser, self.topology.model.reasoning_parser))
         if self.wants_kv_events:  # every process routes, so each follows the KV events itself
             opener = httpx_opener(self.client, s.connect_timeout_s, KV_EVENTS_READ_TIMEOUT_S)
             self.kv_feeds = KVEventFeeds(self.pools, self.kv_indexes, opener, min(s.health_interval_s, 0.5))

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pdserve.config import OrchestratorSettings, Role
+from pdserve.output_parser import OutputParser, ReasoningParserName, ToolCallParserName, output_parser
+from pdserve.tool_use import NO_TOOLS, ToolUse
 
 from . import jsonio
 from .ctx_answer import parse_ctx_answer
@@ -42,15 +44,16 @@ from .h1client import H1Client
 from .kv_selfcheck import HitSelfCheck, reported_hit
 from .metrics import Metrics
 from .pools import ClusterPools, Server
-from .migration import GenPhase, OpenedSource
+from .migration import GenPhase
 from .progress import Progress
-from .relay import GenRelay, GenStream, StreamAnswer
+from .relay import GenRelay, GenSource, GenStream, StreamAnswer
 from .prompt_tokens import PromptTokenizer
 from .responses import EventStream, JSONAnswer, iterate
-from .router import RouteHint, Router, block_hashes
+from .prompt_blocks import prompt_blocks
+from .router import RouteHint, Router
 from .sse import answer_to_events
 from .tasks import TaskOwner
-from .upstream import AttemptFailed, open_stream, post_json_raw, release_lease
+from .upstream import AttemptFailed, check_gen_answer, open_stream, post_json_raw, release_lease
 
 Response = JSONAnswer | EventStream | StreamAnswer
 
@@ -80,6 +83,8 @@ class Exchange:
     started_s: float = field(default_factory=time.monotonic)
     hint: RouteHint | None = None  # what the routers know about the prompt (set by DisaggFlow.handle)
     colocated: bool = False        # runs both phases on one gen server (conditional disaggregation)
+    tools: ToolUse = NO_TOOLS      # what tools/tool_choice ask (checked at validation)
+    parses: bool = False           # chat text is parsed (reasoning, tool calls): relayed streams ask for raw text
 
     @property
     def stream(self) -> bool:
@@ -102,14 +107,16 @@ class DisaggFlow:
     """Runs :class:`Exchange` objects through ctx then gen; one instance per app.
 
     ``routers`` holds one router per pool. ``tokenizer`` gives prompt token ids when a router or
-    conditional disaggregation needs them (``None``: never needed).
+    conditional disaggregation needs them (``None``: never needed). ``parsers``: the model's
+    ``tool_call_parser`` and ``reasoning_parser`` (``model.*``), run on every stream relayed here.
     """
 
     def __init__(self, pools: ClusterPools, routers: dict[str, Router], client: H1Client,
                  settings: OrchestratorSettings, metrics: Metrics, tasks: TaskOwner,
                  tokenizer: PromptTokenizer | None = None, block_size: int = 16, model: str = "",
                  dtype: str = "", selfcheck: HitSelfCheck | None = None,
-                 auth: dict[str, tuple[tuple[str, str], ...]] | None = None) -> None:
+                 auth: dict[str, tuple[tuple[str, str], ...]] | None = None,
+                 parsers: tuple[ToolCallParserName, ReasoningParserName] = ("none", "none")) -> None:
         self._pools = pools
         self._routers = routers
         self._client = client
@@ -121,13 +128,15 @@ class DisaggFlow:
         self._model, self._dtype = model, dtype  # with block_size: what names a KV block (pdserve.block_hash)
         self._selfcheck = selfcheck  # predicted vs reported prefix-cache hits (None: not kept)
         self._auth = auth or {}  # per pool: the Authorization header its servers require (pools.<role>.api_key_env)
+        self._parsers = parsers
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
         ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
         if ids is None:
             return RouteHint(session=ex.session) if ex.session else None
         dtype = self._dtype if self._dtype != "auto" else (self._pools.accepted_dtype() or self._dtype)
-        return RouteHint(block_hashes(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")),
+        # Lazily hashed: the routers read only as far as the longest prefix some server holds.
+        return RouteHint(prompt_blocks(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")),
                          len(ids), ex.session)
 
     def _is_short(self, hint: RouteHint | None) -> bool:
@@ -148,6 +157,10 @@ class DisaggFlow:
         # As the servers' cache does: at most num_tokens - 1 tokens come from the cache.
         return min(predict(self._pools.gen, hint) * self._block_size, hint.num_tokens - 1)
 
+    def output_parser(self, ex: Exchange) -> OutputParser | None:
+        """A new parser of ``ex``'s answer text (None: the text is the client's as is)."""
+        return output_parser(ex.tools, *self._parsers) if ex.chat else None
+
     async def handle(self, ex: Exchange) -> Response:
         """The client's response. Raises :class:`OrchestratorError` (4xx relay, 503 when a phase fails)."""
         if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
@@ -155,6 +168,7 @@ class DisaggFlow:
                                     kind="gen_failed", type_="service_unavailable")
         if ex.body.get("seed") is None:  # one seed for every server the request meets
             ex.body = {**ex.body, "seed": secrets.randbits(63)}
+        ex.parses = self.output_parser(ex) is not None
         hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
@@ -223,21 +237,24 @@ class DisaggFlow:
 
     async def _relayed(self, ex: Exchange, hint: RouteHint | None, answer: dict | None, lease: Lease | None,
                        failed_ctx: set[str], exclude: set[str] | None = None,
-                       failures: list[str] | None = None) -> Response:
+                       failures: list[str] | None = None,
+                       wrap: Callable[[GenPhase], GenSource] | None = None) -> Response:
         """The gen phase through :class:`GenRelay`: a stream that starts with the ctx answer's first
         token (``answer``; None on the colocated path), or (not ``ex.stream``) the JSON answer
-        assembled from an internal stream. Raises OrchestratorError (non-stream only: a stream's
-        failures after its first byte are error events)."""
-        progress = Progress.for_body(ex.body, ex.chat)
+        assembled from an internal stream. ``wrap``: the source the relay reads instead of the
+        :class:`GenPhase` it is given (generation_first: a gen stream already requested). Raises
+        OrchestratorError (non-stream only: a stream's failures after its first byte are error events)."""
+        progress = Progress.for_body(ex.body, ex.chat, self.output_parser(ex))
         first = None
         if answer is not None:
             first = progress.take_ctx_answer(answer)
         include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
         migrate = self._settings.migration_limit > 0
-        source = GenPhase(self, ex, hint, progress, lease, None if answer is None else
-                          answer["choices"][0]["disaggregated_params"], failed_ctx, token_ids=migrate,
-                          want_usage=include_usage or not ex.stream, exclude_gen=exclude,
-                          failures=failures)
+        phase = GenPhase(self, ex, hint, progress, lease, None if answer is None else
+                         answer["choices"][0]["disaggregated_params"], failed_ctx, token_ids=migrate,
+                         want_usage=include_usage or not ex.stream, exclude_gen=exclude,
+                         failures=failures)
+        source: GenSource = phase if wrap is None else wrap(phase)
         relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
                          ex.started_s + self._settings.request_timeout_s, include_usage)
         if ex.stream:
@@ -252,8 +269,8 @@ class DisaggFlow:
             raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
                                     type_="service_unavailable")
         answer = progress.answer()
-        if ex.colocated and relay.migrations == 0 and source.first_stream is not None:
-            self._check_hits("gen", ex, source.first_stream.predicted, answer)  # its hit is its own
+        if ex.colocated and relay.migrations == 0 and phase.first_stream is not None:
+            self._check_hits("gen", ex, phase.first_stream.predicted, answer)  # its hit is its own
         return self._json_response(ex, answer)
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
@@ -326,29 +343,10 @@ class DisaggFlow:
         with server.track():
             raw = await post_json_raw(self._client, server, ex.endpoint, body, self._settings.request_timeout_s,
                                       "gen", ex.request_id, self._auth.get("gen", ()))
-        try:
-            answer = jsonio.loads(raw)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise AttemptFailed("gen answer is not a JSON object")
+        answer = check_gen_answer(raw)
         if ex.colocated:  # the gen server computed the prompt: its hit is its own
             self._check_hits("gen", ex, predicted, answer)
         return self._json_response(ex, raw)  # relayed as the server wrote it
-
-    async def _gen_stream_attempt(self, ex: Exchange, server: Server, body: bytes,
-                                  on_abandon: Callable[[], None]) -> StreamAnswer:
-        """A gen stream opened by someone else's dispatch (generation_first), relayed as one client
-        stream from its token 0; a gen death mid-decode migrates it like any other (prefill again).
-        ``on_abandon`` runs if the stream ends unfinished (releases the lease)."""
-        gs = await self.open_gen_stream(ex, server, body, leased=True)
-        progress = Progress.for_body(ex.body, ex.chat)
-        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
-        phase = GenPhase(self, ex, ex.hint, progress, None, None, set(), token_ids=False, want_usage=include_usage)
-        source = OpenedSource(gs, phase, on_abandon)
-        relay = GenRelay(progress, source, self._settings.migration_limit, self._metrics, ex.endpoint,
-                         ex.started_s + self._settings.request_timeout_s, include_usage)
-        return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)
 
     async def open_gen_stream(self, ex: Exchange, server: Server, body: bytes, leased: bool) -> GenStream:
         """POST a streaming gen request and wait for its first byte (``leased``: a generation_only

@@ -12,6 +12,14 @@ Retiring a server: mark it draining (the router picks it no more), wait until th
 no request open on it and (ctx) no parked KV lease is left for a gen server to pull, ask the
 server itself to drain, then stop it by PID / job id and drop it from the pool. Every wait is
 bounded (``drain_timeout_s``, ``launcher.grace_s``).
+
+A gen server retired with ``orchestrator.drain_mode: move_kv`` (the default) while another gen
+server is ready is asked to drain *first*, with ``{"mode": "move_kv"}``: it moves each running
+stream off at its next decode step (KV parked under a lease, the stream ended with a ``moved``
+event that the relay continues on another gen server, which pulls the KV), so its requests and
+moved leases are gone within seconds instead of a long decode. With no other ready gen server (or
+``migration_limit: 0``, which leaves streams unmovable) the drain falls back to waiting, logged as
+such: the mode a retirement took is :attr:`Instance.drain_mode`.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ class Instance:
     restarts: int = 0
     stopping: bool = False
     started_s: float = field(default_factory=time.monotonic)
+    drain_mode: str | None = None   # how its retirement drained it: "move_kv" or "wait" (None: not retired)
 
     @property
     def name(self) -> str:
@@ -255,10 +264,17 @@ class Fleet:
     async def _drain_and_stop(self, member: Server | None, inst: Instance) -> None:
         timeout_s = self.topology.orchestrator.drain_timeout_s
         if member is not None:
-            drained = await self._wait_idle(member, timeout_s)
+            inst.drain_mode = self.drain_mode_for(member)
+            t0 = time.monotonic()
+            if inst.drain_mode == "move_kv":
+                await self._post_drain(member, "move_kv")  # first: its streams move instead of finishing there
+            drained = await self._wait_idle(member, timeout_s, moved_leases=inst.drain_mode == "move_kv")
             if not drained:
                 log.warning("%s still busy after %g s of draining; stopping it anyway", member.name, timeout_s)
-            await self._post_drain(member)
+            else:
+                log.info("%s drained (%s) in %.2f s", member.name, inst.drain_mode, time.monotonic() - t0)
+            if inst.drain_mode == "wait":
+                await self._post_drain(member)
         await self._stop_quietly(inst)
         if inst in self.instances:
             self.instances.remove(inst)
@@ -267,31 +283,51 @@ class Fleet:
         self.retired += 1
         self._wake.set()
 
-    async def _wait_idle(self, member: Server, timeout_s: float) -> bool:
-        """Wait until no request is open on ``member`` and it holds no parked KV lease."""
+    def drain_mode_for(self, member: Server) -> str:
+        """``"move_kv"`` when ``member`` is a gen server, the topology asks for it, streams are
+        movable (``migration_limit`` > 0) and another gen server is ready to take them; else
+        ``"wait"`` (the fallback is logged with its reason)."""
+        settings = self.topology.orchestrator
+        if member.role != "gen" or settings.drain_mode != "move_kv":
+            return "wait"
+        if settings.migration_limit == 0:
+            why = "migration_limit is 0, so no stream is movable"
+        elif not [s for s in self.pools.pool("gen").ready() if s.url != member.url]:
+            why = "no other gen server is ready to take its requests"
+        else:
+            return "move_kv"
+        log.warning("%s %s: drain_mode move_kv falls back to wait: %s (in-flight requests finish there, "
+                    "at most drain_timeout_s %g s)", member.name, member.url, why, settings.drain_timeout_s)
+        return "wait"
+
+    async def _wait_idle(self, member: Server, timeout_s: float, moved_leases: bool = False) -> bool:
+        """Wait until no request is open on ``member`` and it holds no parked KV lease (``moved_leases``:
+        a gen server's leases of moved requests count too)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if member.in_flight == 0 and await self._parked_leases(member) == 0:
+            if member.in_flight == 0 and await self._parked_leases(member, moved_leases) == 0:
                 return True
             await asyncio.sleep(DRAIN_POLL_S)
         return False
 
-    async def _parked_leases(self, member: Server) -> int:
-        if member.role != "ctx":
+    async def _parked_leases(self, member: Server, moved_leases: bool = False) -> int:
+        if member.role != "ctx" and not moved_leases:
             return 0
         try:
             resp = await self._client.get(f"{member.url}/server_info", timeout=2.0)
-            return int(resp.json().get("parked_leases", 0)) if resp.status_code == 200 else 0
-        except (httpx.HTTPError, ValueError, AttributeError):
+            info = resp.json() if resp.status_code == 200 else {}
+            return int(info.get("parked_leases", 0)) + int(info.get("moved_leases", 0))
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError):
             return 0  # unreachable: nothing left to wait for
 
-    async def _post_drain(self, member: Server) -> bool:
-        """Ask ``member`` to drain (``POST /admin/drain``, whichever of its frontends answers). True
-        when it confirmed (200 with state ``draining`` or ``dead``); otherwise the answer is logged and
-        the server is stopped anyway (its stop is a SIGTERM, which drains it too)."""
+    async def _post_drain(self, member: Server, mode: str = "wait") -> bool:
+        """Ask ``member`` to drain (``POST /admin/drain {"mode": mode}``, whichever of its frontends
+        answers). True when it confirmed (200 with state ``draining`` or ``dead``); otherwise the
+        answer is logged and the server is stopped anyway (its stop is a SIGTERM, which drains it too)."""
         headers = auth_headers(self.topology.orchestrator.admin_token_env)
         try:
-            resp = await self._client.post(f"{member.url}/admin/drain", headers=headers, timeout=2.0)
+            resp = await self._client.post(f"{member.url}/admin/drain", headers=headers, timeout=2.0,
+                                           json={"mode": mode})
         except httpx.HTTPError as err:
             log.warning("%s %s: POST /admin/drain failed: %s: %s", member.name, member.url, type(err).__name__, err)
             return False

@@ -26,7 +26,7 @@ from .disagg import Exchange
 from .errors import OrchestratorError
 from pdserve.request_body import MAX_BODY_BYTES
 
-from .validation import parse_client_body
+from .validation import parse_client_body, tools_of
 
 if TYPE_CHECKING:
     from .app import Orchestrator
@@ -129,7 +129,8 @@ async def serve_openai(orch: "Orchestrator", scope: Scope, receive: Receive, sen
             s = orch.settings
             raw = await read_body(receive, scope["headers"], MAX_BODY_BYTES, s.request_timeout_s)
             body = parse_client_body(raw, endpoint, orch.topology.model.name)
-            ex = Exchange(endpoint, body, request_id=rid, session=_session_key(orch, scope, body))
+            ex = Exchange(endpoint, body, request_id=rid, session=_session_key(orch, scope, body),
+                          tools=tools_of(endpoint, body))
             assert orch.flow is not None, "app not started"
             watch = _DisconnectWatch(receive)
             response = await orch.flow.handle(ex)

@@ -8,9 +8,12 @@ One attempt picks a ctx server and a gen server and sends, at the same time:
   server's lease endpoint (``POST /disagg/lease``, :mod:`pdserve.kv_wait`) until the KV is parked,
   pulls it and streams — its first token is the ctx server's ``first_gen_tokens``, sent once.
 
-So one round trip sits on the client's critical path (the orchestrator → gen stream; the ctx
-answer arrives meanwhile). The ctx answer still comes back here: it names the lease (released if
-the stream is abandoned) and settles the cases the gen server cannot:
+So one round trip sits before the gen phase can start (the gen server's blocks are allocated
+while the ctx server prefills). A streaming client gets its first token from the ctx answer, at
+once, as in ``context_first`` (not after the gen server's KV pull); the gen stream, already
+requested, is merged after it (:class:`InFlightSource`, :mod:`orchestrator.progress`: no text twice
+or missing; it carries token ids when migration is on). The ctx answer names the lease (released
+if the stream is abandoned) and settles the cases the gen server cannot:
 
 - the ctx attempt fails (5xx, down) → the gen request is cancelled and the pair is tried again on
   another ctx server (same ``disagg_request_id``), up to ``max_retries``;
@@ -20,7 +23,8 @@ the stream is abandoned) and settles the cases the gen server cannot:
   lease is handed to another gen server exactly as ``context_first`` does
   (:meth:`DisaggFlow.generation_phase`, the failed gen server excluded);
 - the wait ran out (the gen server's ``kv_transfer.ctx_wait_ms``; both servers have freed the
-  request) → 504 with the gen server's message, no retry.
+  request) → 504 with the gen server's message, no retry (an error event if the first token
+  already went out).
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ from . import jsonio
 from .disagg import KV_SOURCE_FAILED, DisaggFlow, Exchange, KVSourceFailed, Lease, Response
 from .errors import OrchestratorError
 from .pools import Server
-from .relay import StreamAnswer
+from .migration import GenPhase
+from .progress import Progress
+from .relay import GenStream
 from .router import RouteHint
-from .upstream import AttemptFailed
+from .h1client import PendingPost
+from .upstream import AttemptFailed, check_gen_answer, first_chunk, read_answer, start_post
 
 log = logging.getLogger("orchestrator.gen_first")
 
@@ -43,37 +50,121 @@ WAIT_TIMEOUT = "ctx_wait_timeout"  # the error type a gen (or ctx) server gives 
 
 
 class GenAttempt:
-    """The gen half of one generation_first attempt, running in its own task from the start.
+    """The gen half of one generation_first attempt, with no task of its own: :meth:`send` writes
+    its request before the ctx request leaves (:func:`orchestrator.upstream.start_post`), the
+    answer's bytes wait in the connection's buffer while the ctx answer is awaited, and
+    :meth:`response` reads them afterwards: the opened :class:`GenStream` (first byte, i.e. the KV
+    pulled; then the relay owns it) or, for a JSON request, the gen server's answer.
 
-    It owns that task: :meth:`response` awaits it, :meth:`discard` cancels it and closes a stream
-    it may already hold. ``lease`` is set once the ctx answer names it; an abandoned stream
-    releases it.
+    Counts one in-flight request on ``server`` from :meth:`send` until it fails, is discarded, or
+    (a stream) the relay that took it ends. ``lease`` is set once the ctx answer names it.
     """
 
-    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, body: bytes) -> None:
+    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, pending: PendingPost | None,
+                 error: AttemptFailed | None, deadline: float) -> None:
         self.flow, self.ex, self.server = flow, ex, server
         self.lease: Lease | None = None
-        attempt = (flow._gen_stream_attempt(ex, server, body, self._abandoned) if ex.stream
-                   else flow._gen_json_attempt(ex, server, body))
-        self.task = asyncio.create_task(attempt, name=f"gen-first-{ex.disagg_request_id}")
+        self.opened_s: float | None = None  # time.monotonic() when the gen stream's first byte came
+        self._pending, self._error, self._deadline = pending, error, deadline
+        self._counted = True
+        self._taken = False
 
-    def _abandoned(self) -> None:
-        if self.lease is not None:
-            self.flow.release_soon(self.lease, self.ex)
+    @classmethod
+    async def send(cls, flow: DisaggFlow, ex: Exchange, server: Server, body: bytes) -> "GenAttempt":
+        """Write the gen request now; a connection that cannot be made is the attempt's failure,
+        raised by :meth:`response` (the ctx request still goes out)."""
+        timeout_s = flow._settings.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            pending = await start_post(flow._client, server, ex.endpoint, body, ex.request_id,
+                                       flow._auth.get("gen", ()))
+            error = None
+        except AttemptFailed as err:
+            pending, error = None, err
+        server.in_flight += 1
+        server.served += 1
+        return cls(flow, ex, server, pending, error, deadline)
 
-    async def response(self) -> Response:
-        """The gen server's response. Raises what the attempt raised (AttemptFailed, UpstreamRejected)."""
-        return await self.task  # cancelling the caller cancels the task too
+    def failed_early(self) -> bool:
+        """Whether the attempt already failed for sure (no connection, or a status other than 2xx
+        came): then the dispatch answers as before any byte reached the client."""
+        return self._error is not None or (self._pending is not None and self._pending.failed())
+
+    async def response(self) -> Response | GenStream:
+        """The opened gen stream (``ex.stream``; the caller owns it) or the gen server's JSON answer.
+        Raises AttemptFailed / UpstreamRejected (as :func:`orchestrator.upstream.first_chunk` and
+        :func:`~orchestrator.upstream.read_answer`)."""
+        timeout_s = self.flow._settings.request_timeout_s
+        try:
+            if self._error is not None:
+                raise self._error
+            assert self._pending is not None
+            if self.ex.stream:
+                stream = await first_chunk(self._pending, self._deadline, "gen", timeout_s)
+                self.opened_s = time.monotonic()
+                self._taken = True  # its in-flight count is the relay's now
+                return GenStream(self.server, stream)
+            raw = await read_answer(self._pending, self._deadline, "gen", timeout_s)
+        finally:
+            if not self._taken:
+                self._uncount()
+        check_gen_answer(raw)
+        return self.flow._json_response(self.ex, raw)  # relayed as the server wrote it
 
     def discard(self) -> None:
-        """Cancel the attempt (the gen server aborts its request and frees its blocks)."""
-        if not self.task.done():
-            self.task.cancel()
+        """Abandon the attempt (closing its connection makes the gen server abort the request and
+        free its blocks); a stream already taken by :meth:`response` is the relay's to close."""
+        if self._taken:
             return
-        if self.task.cancelled():
-            return
-        if self.task.exception() is None and isinstance(self.task.result(), StreamAnswer):
-            self.task.result().close()
+        if self._pending is not None:
+            self._pending.close()
+        self._uncount()
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.server.in_flight -= 1
+
+
+class InFlightSource:
+    """The :class:`orchestrator.relay.GenSource` of a generation_first stream: the first gen stream
+    is the one :class:`GenAttempt` requested with the ctx request. If that attempt fails before
+    its first byte, ``phase`` hands the parked lease to another gen server (or, the KV source
+    lost, prefills again on another ctx server), as context_first does; migrations and the
+    lease's release go through ``phase`` too."""
+
+    def __init__(self, flow: DisaggFlow, gen: GenAttempt, phase: GenPhase, t_answer: float) -> None:
+        self._flow, self._gen, self._phase, self._t_answer = flow, gen, phase, t_answer
+
+    async def first(self) -> GenStream:
+        gen, flow = self._gen, self._flow
+        try:
+            gs = await gen.response()
+        except AttemptFailed as err:
+            failure = flow._gen_first_failed(gen.server, err)
+            if err.error_type == WAIT_TIMEOUT:  # the gen server gave up on this request: so does the client
+                raise OrchestratorError(504, f"generation phase failed: {failure}", kind="gen_failed",
+                                        type_="timeout") from None
+            if err.error_type == KV_SOURCE_FAILED:
+                return await self._phase.kv_source_lost(failure)
+            return await self._phase.first_elsewhere(gen.server.url, failure)
+        assert isinstance(gs, GenStream)
+        flow._metrics.routed.labels(pool="gen", path="disaggregated").inc()
+        if gen.opened_s is not None:
+            # The KV handoff as context_first times it: from the parked KV (the ctx answer, here)
+            # to the gen stream's first byte; 0 when that byte came before the answer was read.
+            flow._metrics.kv_handoff.observe(max(gen.opened_s - self._t_answer, 0.0))
+        return gs
+
+    async def migrate(self, progress: Progress) -> GenStream:
+        return await self._phase.migrate(progress)
+
+    async def move(self, progress: Progress, moved: dict, source: Server) -> GenStream:
+        return await self._phase.move(progress, moved, source)
+
+    def abandon(self) -> None:
+        self._gen.discard()
+        self._phase.abandon()
 
 
 class GenerationFirstFlow(DisaggFlow):
@@ -83,19 +174,27 @@ class GenerationFirstFlow(DisaggFlow):
         t0 = time.monotonic()
         ctx_server, (answer, gen) = await self._with_retries("ctx", lambda s: self._both(ex, s, hint), hint,
                                                              set(failed_ctx))
-        self._metrics.ctx_phase.observe(time.monotonic() - t0)
+        t_answer = time.monotonic()
+        self._metrics.ctx_phase.observe(t_answer - t0)
         self._metrics.routed.labels(pool="ctx", path="disaggregated").inc()
         if answer["choices"][0].get("finish_reason") is not None:
             gen.discard()
             return self._final_from_ctx(ex, answer)
-        gen.lease = Lease(ctx_server.url, answer["choices"][0]["disaggregated_params"]["ctx_request_id"])
+        lease = gen.lease = Lease(ctx_server.url, answer["choices"][0]["disaggregated_params"]["ctx_request_id"])
+        if ex.stream and not gen.failed_early():
+            # First token at once, as context_first: the client gets the ctx answer's token now,
+            # the gen stream (already requested) is merged after it.
+            return await self._relayed(ex, hint, answer, lease, failed_ctx,
+                                       wrap=lambda phase: InFlightSource(self, gen, phase, t_answer))
         try:
             response = await gen.response()
         except AttemptFailed as err:
             return await self._after_gen_failed(ex, hint, ctx_server, answer, failed_ctx, gen, err)
         except BaseException:  # a 4xx (relayed), or the client left: nobody will pull
-            self.release_soon(gen.lease, ex)
+            self.release_soon(lease, ex)
             raise
+        if isinstance(response, GenStream):  # failed_early() said a stream's answer was not 2xx
+            raise AssertionError("generation_first: a 2xx gen stream after a failed status")
         self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
         return response
 
@@ -107,9 +206,12 @@ class GenerationFirstFlow(DisaggFlow):
             raise OrchestratorError(503, f"generation phase impossible: no ready gen server "
                                     f"({self._pools.not_ready_reason() or 'all tried'})", kind="gen_failed",
                                     type_="service_unavailable")
-        body = jsonio.dumps({**ex.body, "disaggregated_params": {
-            "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}})
-        gen = GenAttempt(self, ex, gen_server, body)
+        dp = {"request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}
+        if ex.stream and self._settings.migration_limit:
+            dp["stream_token_ids"] = True  # the relay keeps the output token ids (migration needs them)
+        if ex.stream and ex.parses:  # a stream is relayed (and parsed) here; a JSON answer is the server's own
+            dp["raw_output"] = True
+        gen = await GenAttempt.send(self, ex, gen_server, jsonio.dumps({**ex.body, "disaggregated_params": dp}))
         try:
             answer = await self._context_attempt(ex, ctx_server)
         except AttemptFailed as err:
@@ -123,15 +225,20 @@ class GenerationFirstFlow(DisaggFlow):
             raise
         return answer, gen
 
-    async def _after_gen_failed(self, ex: Exchange, hint: RouteHint | None, ctx_server: Server, answer: dict,
-                                failed_ctx: set[str], gen: GenAttempt, err: AttemptFailed) -> Response:
-        """The gen half failed before its first byte; the lease of ``answer`` still holds (unless the
-        wait ran out, which ends the request)."""
-        server = gen.server
+    def _gen_first_failed(self, server: Server, err: AttemptFailed) -> str:
+        """Book a gen attempt that failed before its first byte; returns how it is named in errors."""
         if err.server_fault:
             server.mark_unhealthy(str(err))
         self._metrics.errors.labels(kind="gen_attempt").inc()
         log.warning("generation phase (generation_first) on %s failed: %s", server.url, err)
+        return f"{server.name} {server.url}: {err}"
+
+    async def _after_gen_failed(self, ex: Exchange, hint: RouteHint | None, ctx_server: Server, answer: dict,
+                                failed_ctx: set[str], gen: GenAttempt, err: AttemptFailed) -> Response:
+        """The gen half failed before its first byte and before the client got anything; the lease of
+        ``answer`` still holds (unless the wait ran out, which ends the request)."""
+        server = gen.server
+        failure = self._gen_first_failed(server, err)
         if err.error_type == WAIT_TIMEOUT:  # the ctx server freed it too; releasing again is harmless
             self.release_soon(gen.lease, ex)
             raise OrchestratorError(504, f"generation phase on {server.url} failed: {err}", kind="gen_failed",
@@ -139,7 +246,6 @@ class GenerationFirstFlow(DisaggFlow):
         if err.error_type == KV_SOURCE_FAILED:
             self.release_soon(gen.lease, ex)
             failed_ctx.add(ctx_server.url)
-            raise KVSourceFailed(f"{server.name} {server.url}: {err}") from None
+            raise KVSourceFailed(failure) from None
         return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx, exclude={server.url},
-                                           failures=[f"{server.name} {server.url}: {err}"])
-
+                                           failures=[failure])

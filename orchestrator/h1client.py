@@ -12,6 +12,9 @@ responses framed by ``Content-Length``, chunked transfer coding or connection cl
 response ended and both sides allow keep-alive; a response abandoned early closes its
 connection, which is how the server learns the request was cancelled.
 
+:meth:`H1Client.start` writes a request and returns at once (:class:`PendingPost`): the answer
+is read later, so two requests can be in flight from one task (generation_first).
+
 Every failure is an :class:`UpstreamError`; timeouts are the caller's (wrap calls in
 ``asyncio.timeout``), except the connect timeout, which is this client's.
 """
@@ -100,7 +103,11 @@ class Response:
         self.close()
 
     async def next_chunk(self) -> bytes | None:
-        """The next piece of the (de-chunked) body, or None at its end. Raises UpstreamError."""
+        """Every body byte that arrived since the last call (de-chunked, one piece), waiting for
+        at least one; None at the body's end. Raises UpstreamError.
+
+        One socket read often holds several HTTP chunks (a gen server's SSE events written back to
+        back): they come back as one piece, so the relay writes them to its client at once."""
         while not self._chunks:
             if self._complete:
                 return None
@@ -110,9 +117,11 @@ class Response:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
             self._waiter = None
-        data = self._chunks.popleft()
-        self._buffered -= len(data)
-        if self._buffered <= READ_HIGH_WATER // 2:
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        paused, self._buffered = self._buffered > READ_HIGH_WATER, 0
+        if paused:
             self._conn.resume()
         return data
 
@@ -198,13 +207,13 @@ class _Connection(asyncio.Protocol):
         self._response._finish()
 
     # used by the client
-    async def send(self, head: bytes, body: bytes) -> Response:
-        self._response = Response(self)
-        self._headers_done = asyncio.get_running_loop().create_future()
+    def start(self, head: bytes, body: bytes) -> tuple[Response, asyncio.Future]:
+        """Write one request now; the future completes when its status line and headers arrived."""
+        response = self._response = Response(self)
+        headers_done = self._headers_done = asyncio.get_running_loop().create_future()
         assert self.transport is not None
         self.transport.write(head + body)
-        await self._headers_done
-        return self._response
+        return response, headers_done
 
     def pause(self) -> None:
         if self.transport is not None and not self.closed:
@@ -307,34 +316,89 @@ class H1Client:
             raise ConnectError(f"connect to {pool.host}:{pool.port} failed: {err}") from None
         return conn
 
+    def _head(self, pool: _OriginPool, path: str, body: bytes, headers: tuple[tuple[str, str], ...]) -> bytes:
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
+        return (f"POST {path} HTTP/1.1\r\nHost: {pool.host}:{pool.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n{extra}").encode("latin-1") + b"User-Agent: " + self._user_agent + b"\r\n\r\n"
+
     async def post(self, base_url: str, path: str, body: bytes,
                    headers: tuple[tuple[str, str], ...] = ()) -> Response:
         """POST ``body`` (JSON bytes) to ``base_url + path``; returns once the status line and headers
         arrived. The caller reads or closes the :class:`Response`. Raises UpstreamError."""
-        pool = self._pool(base_url)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {pool.host}:{pool.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n{extra}").encode("latin-1") + b"User-Agent: " + self._user_agent + b"\r\n\r\n"
-        conn = pool.take()
-        if conn is not None:
-            try:
-                return await self._send(conn, head, body)
-            except UpstreamError as err:
-                # The server closed a pooled connection as we wrote on it (RFC 9112 §9.3.1: no
-                # byte of an answer came, so the request was never processed). One fresh try.
-                self.reconnects += 1
-                log.info("pooled connection to %s failed before any answer (%s); resending on a new one",
-                         base_url, err)
-        return await self._send(await self._connect(pool), head, body)
+        return await (await self.start(base_url, path, body, headers)).response()
 
-    async def _send(self, conn: _Connection, head: bytes, body: bytes) -> Response:
-        try:
-            return await conn.send(head, body)
-        except BaseException:
-            conn.close()  # on cancellation too: closing is what tells the server to stop
-            raise
+    async def start(self, base_url: str, path: str, body: bytes,
+                    headers: tuple[tuple[str, str], ...] = ()) -> "PendingPost":
+        """Write a POST on a pooled (or, awaited, a new) connection and return at once: the request
+        is on its way while the caller does other work (the generation_first dispatch sends its
+        ctx request meanwhile, with no task of its own for this one). Raises UpstreamError
+        (connect)."""
+        pool = self._pool(base_url)
+        head = self._head(pool, path, body, headers)
+        conn = pool.take()
+        if conn is None:
+            conn = await self._connect(pool)
+        return PendingPost(self, pool, conn, head, body)
+
+    def _reconnected(self, base_url: str, err: UpstreamError) -> None:
+        # The server closed a pooled connection as we wrote on it (RFC 9112 §9.3.1: no byte of an
+        # answer came, so the request was never processed). One fresh try.
+        self.reconnects += 1
+        log.info("pooled connection to %s failed before any answer (%s); resending on a new one", base_url, err)
 
     async def aclose(self) -> None:
         for pool in self._pools.values():
             pool.close_all()
         self._pools.clear()
+
+
+class PendingPost:
+    """A POST already written on its connection (:meth:`H1Client.start`). :meth:`response` waits for
+    its status line and headers (resending once on a new connection when a pooled one closed
+    before any byte of an answer); :meth:`close` abandons it (the connection is closed, which tells
+    the server to stop), unless :meth:`response` handed the response out (then the caller closes that)."""
+
+    def __init__(self, client: H1Client, pool: _OriginPool, conn: _Connection, head: bytes, body: bytes) -> None:
+        self._client, self._pool, self._conn, self._head, self._body = client, pool, conn, head, body
+        self._response, self._headers_done = conn.start(head, body)
+        self._handed_out = False
+
+    async def response(self) -> Response:
+        """The response once its headers arrived. Raises UpstreamError."""
+        try:
+            await self._headers_done
+        except UpstreamError as err:
+            self._conn.close()
+            if not self._conn.reused:
+                raise
+            self._client._reconnected(f"http://{self._pool.host}:{self._pool.port}", err)
+            self._conn = await self._client._connect(self._pool)
+            self._response, self._headers_done = self._conn.start(self._head, self._body)
+            try:
+                await self._headers_done
+            except BaseException:
+                self._conn.close()
+                raise
+        except BaseException:
+            self._conn.close()  # on cancellation too: closing is what tells the server to stop
+            raise
+        self._handed_out = True
+        return self._response
+
+    def failed(self) -> bool:
+        """Whether a status line other than 2xx already came, without anyone waiting for it (a
+        broken connection is not counted: :meth:`response` may still resend)."""
+        fut = self._headers_done
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return False
+        return not 200 <= self._response.status < 300
+
+    def close(self) -> None:
+        """Idempotent; a no-op once :meth:`response` returned (close the response instead)."""
+        if self._handed_out:
+            return
+        if self._headers_done.done() and not self._headers_done.cancelled():
+            self._headers_done.exception()  # retrieved: no "exception was never retrieved" warning
+        else:
+            self._headers_done.cancel()
+        self._conn.close()

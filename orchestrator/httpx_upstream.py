@@ -2,7 +2,7 @@
 ``create_app(topology, transport=...)`` (tests that reach the servers in-process, without sockets).
 
 Same surface as :class:`~orchestrator.h1client.H1Client` (``post`` → a response with ``status``,
-``next_chunk``, ``read``, ``ended``, ``abort``, ``close``); failures become
+``next_chunk``, ``read``, ``ended``, ``abort``, ``close``; ``start`` → a pending post); failures become
 :class:`~orchestrator.h1client.UpstreamError`. ``close`` must not await (it runs in cancelled
 tasks), so the httpx response is closed in a task this client owns and awaits in :meth:`aclose`.
 """
@@ -81,6 +81,12 @@ class HttpxUpstream:
         except httpx.HTTPError as err:
             raise UpstreamError(f"{type(err).__name__}: {err}") from None
 
+    async def start(self, base_url: str, path: str, body: bytes,
+                    headers: tuple[tuple[str, str], ...] = ()) -> "PendingHttpx":
+        """:meth:`post` started now in a task (an in-process transport has no socket to write on)."""
+        return PendingHttpx(asyncio.get_running_loop().create_task(self.post(base_url, path, body, headers),
+                                                                   name="upstream-post"))
+
     def close_later(self, resp: httpx.Response) -> None:
         task = asyncio.get_running_loop().create_task(resp.aclose(), name="close-upstream")
         self._closing.add(task)
@@ -90,3 +96,33 @@ class HttpxUpstream:
         """Wait (at most 5 s) for the responses still being closed."""
         if self._closing:
             await asyncio.wait(set(self._closing), timeout=5.0)
+
+
+class PendingHttpx:
+    """:class:`~orchestrator.h1client.PendingPost`'s surface over a task running :meth:`HttpxUpstream.post`."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self._task = task
+        self._handed_out = False
+
+    async def response(self) -> HttpxResponse:
+        """The response once its headers arrived. Raises UpstreamError."""
+        resp = await self._task
+        self._handed_out = True
+        return resp
+
+    def failed(self) -> bool:
+        """Whether a status other than 2xx already came (transport errors are not counted)."""
+        task = self._task
+        if not task.done() or task.cancelled() or task.exception() is not None:
+            return False
+        return not 200 <= task.result().status < 300
+
+    def close(self) -> None:
+        """Idempotent; a no-op once :meth:`response` returned."""
+        if self._handed_out:
+            return
+        if not self._task.done():
+            self._task.cancel()
+        elif not self._task.cancelled() and self._task.exception() is None:
+            self._task.result().close()

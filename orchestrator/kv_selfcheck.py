@@ -8,13 +8,17 @@ serve: the blocks of the prompt's longest prefix its KV index holds
 (``usage.prompt_tokens_details.cached_tokens``, or ``disaggregated_params.cached_tokens`` of a ctx
 answer) is added beside it. Predicted far above reported means the index is wrong; reported far
 above predicted, or many ``unindexed`` picks, means the router is routing blind (load-only): the
-silent fallback this check exists to show. In ``/metrics`` (counters, tokens) and in
-``/cluster/status`` / ``pdserve status``.
+silent fallback this check exists to show. Concurrent requests that share a prefix nobody holds
+yet also read reported > predicted (at pick time the blocks did not exist; the first one to finish
+its prefill caches them for the rest): read the gap on traffic that arrives over time, not on a
+burst. In ``/metrics`` (counters, tokens) and in ``/cluster/status`` / ``pdserve status``.
 
 Counted: every ctx-pool answer, and gen-pool answers where the gen server computed the prompt
-itself (colocated: conditional disaggregation) and answered with a JSON body. A
-``generation_only`` request's hit is the ctx server's (it pulls the whole prompt), and a colocated
-stream's usage is not parsed by the relay: neither is counted.
+itself (colocated: conditional disaggregation) and answered with a JSON body. Not counted: a
+``generation_only`` request (its ``cached_tokens`` is the ctx server's hit; the blocks its partial
+pull skipped on the gen server are counted only in that server's ``kv_blocks_skipped``, not per
+answer, so the gen pool's routing of disaggregated requests is not self-checked), and a colocated
+stream (the relay does not parse its usage).
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class HitSelfCheck:
         self._unindexed = Counter("pdserve_orchestrator_kv_unindexed_picks",
                                   "Self-checked picks of a server without a synced KV index (load-only)",
                                   ["pool"], registry=registry)
+        # Per pool, once: labels() validates and locks on every call, and record() runs per answer.
+        self._children = {pool: tuple(c.labels(pool=pool) for c in (self._prompt, self._reported, self._predicted,
+                                                                      self._unindexed)) for pool in self.pools}
 
     def predict(self, url: str, hint: RouteHint | None) -> int | None:
         """Hit tokens predicted on ``url`` for ``hint``; None: no synced index (or no token ids)."""
@@ -79,12 +86,13 @@ class HitSelfCheck:
         hits.prompt_tokens += hint.num_tokens
         hits.reported_hit_tokens += reported
         hits.predicted_hit_tokens += predicted or 0
-        self._prompt.labels(pool=pool).inc(hint.num_tokens)
-        self._reported.labels(pool=pool).inc(reported)
-        self._predicted.labels(pool=pool).inc(predicted or 0)
+        prompt, reported_c, predicted_c, unindexed = self._children[pool]
+        prompt.inc(hint.num_tokens)
+        reported_c.inc(reported)
+        predicted_c.inc(predicted or 0)
         if predicted is None:
             hits.unindexed += 1
-            self._unindexed.labels(pool=pool).inc()
+            unindexed.inc()
 
 
 def reported_hit(answer: object) -> int | None:

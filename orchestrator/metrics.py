@@ -51,6 +51,8 @@ class Metrics:
                                ["pool"], registry=r)
         self.migrations = Counter("pdserve_orchestrator_migrations", "Streams continued on another gen server "
                                   "after theirs died mid-decode", registry=r)
+        self.moves = Counter("pdserve_orchestrator_kv_moves", "Streams continued on another gen server that "
+                             "pulled their KV from a gen server draining with move_kv", registry=r)
         self.pool_servers = Gauge("pdserve_orchestrator_pool_servers", "Servers per pool and state",
                                   ["pool", "state"], registry=r)
         self.pool_in_flight = Gauge("pdserve_orchestrator_pool_in_flight_requests",

@@ -12,6 +12,11 @@
   position ``len(first_gen_tokens)`` next: the sampler's noise is a function of (seed, choice,
   position), so a seeded stream goes on exactly as it would have. A migration first waits
   (``orchestrator.migration_wait_s``) for a ready ctx and gen server.
+* :meth:`GenPhase.move`: the gen server drains with ``move_kv`` and parked the request's KV (its
+  stream ended with a ``moved`` event). Another gen server gets a ``generation_only`` request for
+  that lease: it pulls the blocks (prompt + every output token but the last, ``kv_num_tokens``),
+  computes the one token left and samples on with the same seed. Nothing is prefilled again. If
+  the target cannot pull (``kv_transfer_error``), the request falls back to a migration.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .relay import GenStream
 
 if TYPE_CHECKING:
     from .disagg import DisaggFlow, Exchange, Lease
+    from .pools import Server
     from .router import RouteHint
 
 log = logging.getLogger("orchestrator.migration")
@@ -69,6 +75,22 @@ class GenPhase:
             await self._wait_ready(role, deadline)
         return await self._prefill_again()
 
+    async def move(self, progress: Progress, moved: dict, source: "Server") -> GenStream:
+        from .disagg import Lease
+
+        first = moved.get("first_gen_tokens")
+        if not moved.get("ctx_request_id") or first != progress.token_ids:
+            log.warning("gen server %s moved the request with %s output tokens, the relay has %d; prefilling it "
+                        "again instead", source.url, len(first) if isinstance(first, list) else "no",
+                        len(progress.token_ids))
+            if moved.get("ctx_request_id"):
+                self._flow.release_soon(Lease(source.url, moved["ctx_request_id"]), self._ex)
+            return await self.migrate(progress)
+        self._lease, self._params = Lease(source.url, moved["ctx_request_id"]), moved
+        self._exclude_gen = {source.url}  # the draining server admits nothing new
+        await self._wait_ready("gen", time.monotonic() + self._flow._settings.migration_wait_s)
+        return await self._open_leased()
+
     def abandon(self) -> None:
         if self._lease is not None:
             self._flow.release_soon(self._lease, self._ex)
@@ -83,21 +105,33 @@ class GenPhase:
         from .disagg import KVSourceFailed
 
         assert self._lease is not None and self._params is not None
-        lease = self._lease
         try:
             return await self._open(self._gen_body(self._params), leased=True)
         except KVSourceFailed as err:
-            self._lease = None  # the ctx server lost it
-            self._failed_ctx.add(lease.ctx_url)
-            if len(self._failed_ctx) > self._flow._settings.max_retries:
-                raise OrchestratorError(503, f"generation phase failed: {err}", kind="gen_failed",
-                                        type_="service_unavailable") from None
-            log.warning("KV source failed (%s); prefilling the request again on another ctx server", err)
-            self._flow._metrics.retries.labels(pool="ctx").inc()
-            return await self._prefill_again()
+            return await self.kv_source_lost(str(err))
         except BaseException:
             self.abandon()  # no gen server took the lease
             raise
+
+    async def first_elsewhere(self, failed_url: str, failure: str) -> GenStream:
+        """The first stream after an attempt on ``failed_url`` (opened by someone else: the
+        generation_first dispatch) failed before its first byte, as ``failure`` says: another gen
+        server pulls the same lease. Raises OrchestratorError."""
+        self._exclude_gen, self._failures = {failed_url}, [failure]
+        return await self.first()
+
+    async def kv_source_lost(self, failure: str) -> GenStream:
+        """A gen server could not pull the lease (its ctx server lost it): prefill again on another
+        ctx server, up to ``max_retries`` ctx servers in all. Raises OrchestratorError."""
+        assert self._lease is not None
+        self._failed_ctx.add(self._lease.ctx_url)
+        self._lease = None  # the ctx server lost it
+        if len(self._failed_ctx) > self._flow._settings.max_retries:
+            raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
+                                    type_="service_unavailable") from None
+        log.warning("KV source failed (%s); prefilling the request again on another ctx server", failure)
+        self._flow._metrics.retries.labels(pool="ctx").inc()
+        return await self._prefill_again()
 
     async def _open(self, body: bytes, leased: bool) -> GenStream:
         flow, ex = self._flow, self._ex
@@ -132,38 +166,20 @@ class GenPhase:
         first = self._progress.token_ids or params.get("first_gen_tokens")
         dp = {**params, "request_type": "generation_only", "disagg_request_id": self._ex.disagg_request_id,
               "first_gen_tokens": first}
-        if self._token_ids:
-            dp["stream_token_ids"] = True
+        if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
+            dp["stream_token_ids"] = dp["movable"] = True
+        if self._ex.parses:  # the relay parses the text it assembles
+            dp["raw_output"] = True
         return jsonio.dumps({**self._ex.body, **self._stream_fields(), "disaggregated_params": dp})
 
     def _colocated_body(self) -> bytes:
         body = {**self._ex.body, **self._stream_fields()}
-        if self._token_ids:
-            body["disaggregated_params"] = {"request_type": "context_and_generation", "stream_token_ids": True}
+        if self._token_ids or self._ex.parses:
+            dp: dict[str, Any] = {"request_type": "context_and_generation"}
+            if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
+                dp["stream_token_ids"] = dp["movable"] = True
+            if self._ex.parses:
+                dp["raw_output"] = True
+            body["disaggregated_params"] = dp
         return jsonio.dumps(body)
 
-
-class OpenedSource:
-    """A :class:`orchestrator.relay.GenSource` whose first stream is already open (another dispatch
-    opened it); migrations go through ``phase``. ``on_abandon`` runs when the request ends
-    unfinished; a stream nobody relayed is closed then (which aborts the gen request)."""
-
-    def __init__(self, gs: GenStream, phase: GenPhase, on_abandon) -> None:
-        self._gs: GenStream | None = gs
-        self._phase, self._on_abandon = phase, on_abandon
-
-    async def first(self) -> GenStream:
-        gs, self._gs = self._gs, None
-        assert gs is not None, "first() called twice"
-        return gs
-
-    async def migrate(self, progress: Progress) -> GenStream:
-        return await self._phase.migrate(progress)
-
-    def abandon(self) -> None:
-        if self._gs is not None:  # never relayed (the dispatch discarded it)
-            self._gs.stream.close()
-            self._gs.server.in_flight -= 1
-            self._gs = None
-        self._on_abandon()
-        self._phase.abandon()

@@ -2,8 +2,11 @@
 
 Fans out to every ready or draining member of both pools (the admin token is forwarded as the
 orchestrator's own, from ``orchestrator.admin_token_env``) and answers per server:
-``{"freed_blocks": total, "servers": {url: {"freed_blocks": n} | {"error": "..."}}}`` with 200 when
-every server answered, 502 when one did not. Each call is bounded by ``connect_timeout_s``.
+``{"freed_blocks": total, "servers": {url: {"freed_blocks": n} | {"error": "..."}}, "skipped":
+{url: state}}`` with 200 when every server asked answered, 502 when one did not. ``skipped`` names
+the members that were not asked (starting, unhealthy, stopped: not serving, or not reachable),
+with their state, so a caller knows whose cache may still hold blocks. Each call is bounded by
+:data:`RESET_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ def add_prefix_cache_routes(app: FastAPI, orch) -> None:
         if refused is not None:
             orch.metrics.errors.labels(kind="unauthorized").inc()
             return error_response(refused[0], refused[1])
-        servers = [s for role in ROLES for s in orch.pools.pool(role).servers
-                   if s.state in (ServerState.READY, ServerState.DRAINING)]
+        members = [s for role in ROLES for s in orch.pools.pool(role).servers]
+        servers = [s for s in members if s.state in (ServerState.READY, ServerState.DRAINING)]
+        skipped = {s.url: s.state.value for s in members if s not in servers}
         answers = await asyncio.gather(*(_reset_one(orch.client, s, env) for s in servers))
         per_server = {s.url: a for s, a in zip(servers, answers)}
         total = sum(a.get("freed_blocks", 0) for a in answers)
         failed = any("error" in a for a in answers)
-        return JSONResponse({"freed_blocks": total, "servers": per_server}, status_code=502 if failed else 200)
+        return JSONResponse({"freed_blocks": total, "servers": per_server, "skipped": skipped},
+                            status_code=502 if failed else 200)

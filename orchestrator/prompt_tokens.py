@@ -21,7 +21,10 @@ import time
 
 import httpx
 
+from pdserve.chat_template import hf_messages, template_tools
+
 from .pools import Pool
+from .token_cache import TokenCache
 
 log = logging.getLogger("orchestrator.prompt_tokens")
 
@@ -30,12 +33,15 @@ INLINE_CHARS = 4096  # prompts up to this many characters are tokenized on the e
 
 
 class LoadedTokenizer:
-    """``tokenizers.Tokenizer`` + chat template from a server's ``GET /tokenizer`` answer."""
+    """``tokenizers.Tokenizer`` + chat template from a server's ``GET /tokenizer`` answer.
 
-    def __init__(self, payload: dict) -> None:
+    ``cache``: texts already tokenized (a fresh bounded :class:`TokenCache` when None)."""
+
+    def __init__(self, payload: dict, cache: TokenCache | None = None) -> None:
         import jinja2.sandbox
         from tokenizers import Tokenizer
 
+        self.cache = cache if cache is not None else TokenCache()
         self._tok = Tokenizer.from_str(payload["tokenizer_json"])
         self._special = {k: payload.get(k) or "" for k in ("bos_token", "eos_token")}
         self._template = None
@@ -45,29 +51,31 @@ class LoadedTokenizer:
             self._template = env.from_string(payload["chat_template"])
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text`` (no special tokens added), from the cache when it was seen before.
+        The list may be shared with later calls: do not change it."""
+        ids = self.cache.get(text)
+        if ids is None:
+            # encode_batch_fast: the same ids as encode(), without the offsets nobody reads here.
+            ids = self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
+            self.cache.put(text, ids)
+        return ids
 
     def prompt_ids(self, endpoint: str, body: dict) -> list[int]:
-        """Token ids of a validated client body (chat template for chat bodies)."""
+        """Token ids of a validated client body (chat template for chat bodies, with its ``tools`` and
+        ``chat_template_kwargs``, as the servers render it: :mod:`pdserve.chat_template`); read-only
+        (the list may be the body's own token-id prompt or a cached one)."""
         if endpoint.endswith("/chat/completions"):
             if self._template is None:
                 raise ValueError("the model has no chat template")
-            messages = [{"role": m["role"], "content": _text(m.get("content"))} for m in body["messages"]]
-            text = self._template.render(messages=messages, add_generation_prompt=body.get("add_generation_prompt", True),
-                                         **self._special)
+            text = self._template.render(**{**(body.get("chat_template_kwargs") or {}), **self._special},
+                                         messages=hf_messages(body["messages"]),
+                                         tools=template_tools(body.get("tools")),
+                                         add_generation_prompt=body.get("add_generation_prompt", True))
             return self.encode(text)
         prompt = body["prompt"]
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            return list(prompt)
+            return prompt  # read, never changed, by the routers
         return self.encode(prompt if isinstance(prompt, str) else str(prompt))
-
-
-def _text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
 
 
 def _prompt_chars(body: dict) -> int:

@@ -9,6 +9,11 @@ and, when a gen server dies mid-decode (the connection breaks, the stream ends w
 server's first token goes out at once, then the relay's chunks, then ``[DONE]``; a failure becomes
 an error event (never a hang). A non-streaming request runs the same relay without a client
 stream (``emit=None``) and answers the assembled JSON (:mod:`orchestrator.disagg`).
+
+A gen server that drains with ``move_kv`` ends a movable stream with a ``moved`` event (the
+request's KV parked there under a lease); the relay then asks its source to :meth:`GenSource.move`
+the request: another gen server pulls that KV and decodes on from the next token. A move is not a
+migration (nothing failed, nothing is recomputed): it does not count toward ``migration_limit``.
 """
 
 from __future__ import annotations
@@ -61,16 +66,27 @@ class GenSource(Protocol):
     async def migrate(self, progress: Progress) -> GenStream:
         """A new gen stream continuing from ``progress.token_ids``. Raises OrchestratorError."""
 
+    async def move(self, progress: Progress, moved: dict, source: Server) -> GenStream:
+        """A new gen stream on another gen server than ``source`` that pulls the KV ``source``
+        parked (``moved``: its moved event's params) and decodes on. Raises OrchestratorError."""
+
     def abandon(self) -> None:
         """The request ends unfinished: free whatever KV is still parked for it (never awaits)."""
 
 
 @dataclass
 class Broken:
-    """Why a gen stream ended before the request finished; ``migratable``: the server looks dead."""
+    """Why a gen stream ended before the request finished; ``migratable``: the server looks dead.
+    ``moved``: the server drains with move_kv and parked the request's KV (the moved event's
+    ``disaggregated_params``); ``server``: where the stream ran (set for a move)."""
 
     message: str
     migratable: bool = True
+    moved: dict | None = None
+    server: Server | None = None
+
+
+MAX_MOVES = 16  # a request moved more often than this (drain after drain) fails instead
 
 
 class GenRelay:
@@ -92,9 +108,11 @@ class GenRelay:
         self._include_usage = include_usage
         self._itl = metrics.child(metrics.itl, endpoint)
         self.migrations = 0
+        self.moves = 0
         self.finished = False
         self.chunks_sent = 0
         self.t_last: float | None = None
+        self._tail: list[bytes] = []  # client chunks that came in the piece holding [DONE] (take_tail)
 
     async def run(self, emit: Emit | None) -> str | None:
         """Relay until the request finishes (None) or fails for good (the failure's message).
@@ -108,6 +126,13 @@ class GenRelay:
             if broken is None:
                 self.finished = True
                 return None
+            if broken.moved is not None and broken.server is not None and self.moves < MAX_MOVES:
+                self.moves += 1
+                self._metrics.moves.inc()
+                log.info("%s; continuing on another gen server that pulls its KV (%d generated tokens, move %d)",
+                         broken.message, len(self.progress.token_ids), self.moves)
+                gs = await self._source.move(self.progress, broken.moved, broken.server)
+                continue
             if not broken.migratable or self.migrations >= self._limit:
                 if broken.migratable and self._limit:
                     return f"{broken.message} (migration_limit {self._limit} reached)"
@@ -128,15 +153,26 @@ class GenRelay:
             gs.server.in_flight -= 1
 
     async def _events(self, gs: GenStream, emit: Emit | None) -> Broken | None:
+        """Merge the stream's events; the client's chunks of one upstream piece leave in one write
+        (those of the piece that ends with ``[DONE]`` wait for the last write: :meth:`take_tail`).
+        Without ``emit`` (an internal stream for a JSON answer) no chunk is encoded."""
         attempt, splitter, piece = self.progress.attempt(), EventSplitter(), gs.stream.first_chunk
         url = gs.server.url
         while True:
+            out: list[bytes] | None = [] if emit is not None else None
             for payload in splitter.feed(piece):
                 if payload == b"[DONE]":
+                    self._tail = out or []
                     return None
-                broken = await self._event(payload, attempt, emit, url)
+                broken = self._event(payload, attempt, out, url)
+                if broken is not None and broken.moved is not None:
+                    await self._emit(emit, out)  # what came before the move is the client's
+                    broken.server = gs.server  # a drain, not a failure: the server stays healthy
+                    return broken
                 if broken is not None:
+                    await self._emit(emit, out)  # what came before the break is the client's
                     return self._broke(gs.server, broken)
+            await self._emit(emit, out)
             try:
                 piece = await gs.stream.next_chunk()
             except UpstreamError as err:
@@ -146,34 +182,46 @@ class GenRelay:
                 done = self.progress.finish_reason is not None
                 return self._broke(gs.server, Broken(f"generation stream from {url} ended without [DONE]", not done))
 
-    async def _event(self, payload: bytes, attempt: Attempt, emit: Emit | None, url: str) -> Broken | None:
-        """Merge one event into the request; a :class:`Broken` when it is an error or not JSON."""
+    def _event(self, payload: bytes, attempt: Attempt, out: list[bytes] | None, url: str) -> Broken | None:
+        """Merge one event into the request (the client's chunk, if any, appended to ``out`` unless
+        None); a :class:`Broken` when it is an error or not JSON."""
         try:
             event = jsonio.loads(payload)
         except ValueError:
             return Broken(f"generation stream from {url} sent an event that is not JSON")
         if not isinstance(event, dict):
             return Broken(f"generation stream from {url} sent an event that is not a JSON object")
+        if isinstance(event.get("moved"), dict):  # drain by moving KV: the request's KV is parked there
+            return Broken(f"gen server {url} is draining and moved the request", migratable=False,
+                          moved=event["moved"])
         if "error" in event:
             info = event["error"] if isinstance(event["error"], dict) else {}
             code = info.get("code")
             dead = info.get("type") in _DEATH_TYPES or (isinstance(code, int) and code >= 500)
             return Broken(f"generation stream from {url} failed: {info.get('message', event['error'])}", dead)
         try:
-            out = attempt.absorb(event)
+            chunk = attempt.absorb(event)
         except ValueError as err:
             return Broken(f"generation stream from {url} sent a bad chunk: {err}", migratable=False)
-        if out is not None and emit is not None:
-            await emit(b"data: " + jsonio.dumps(out) + b"\n\n")
-            self._sent()
+        if chunk is not None and out is not None:
+            out.append(b"data: " + jsonio.dumps(chunk) + b"\n\n")
         return None
 
-    def _sent(self) -> None:
+    async def _emit(self, emit: Emit | None, out: list[bytes] | None) -> None:
+        """Write ``out`` (the client's chunks of one upstream piece) in one body message."""
+        if out and emit is not None:
+            await emit(out[0] if len(out) == 1 else b"".join(out))
+            self._sent(len(out))
+
+    def _sent(self, n: int) -> None:
+        """Count ``n`` chunks written at once (ITL: the gap before the first, 0 between the rest)."""
         now = time.monotonic()
         if self.t_last is not None:
             self._itl.observe(now - self.t_last)
+        for _ in range(n - 1):
+            self._itl.observe(0.0)
         self.t_last = now
-        self.chunks_sent += 1
+        self.chunks_sent += n
 
     def _broke(self, server: Server, broken: Broken) -> Broken:
         log.warning("%s", broken.message)
@@ -181,6 +229,14 @@ class GenRelay:
             server.mark_unhealthy(broken.message)
         self._metrics.errors.labels(kind="gen_stream").inc()
         return broken
+
+    def take_tail(self) -> list[bytes]:
+        """The client chunks that arrived with the final ``[DONE]`` (counted as sent now): the
+        caller writes them with the stream's last body message."""
+        tail, self._tail = self._tail, []
+        if tail:
+            self._sent(len(tail))
+        return tail
 
     def usage_chunk(self) -> bytes | None:
         """The usage chunk to add at the end, when the client wants one and no gen stream sent it."""
@@ -206,14 +262,16 @@ class StreamAnswer:
         self._relay, self._source, self._first = relay, source, first
         self._started_s, self._metrics, self._endpoint = started_s, metrics, endpoint
         self._closed = False
+        self._t_first: float | None = None  # when the client's first body byte left
+
+    def _first_byte(self) -> None:
+        if self._t_first is None:
+            self._t_first = time.monotonic()
+            self._metrics.child(self._metrics.ttft, self._endpoint).observe(self._t_first - self._started_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        t_first: list[float] = []
-
         async def emit(data: bytes) -> None:
-            if not t_first:
-                t_first.append(time.monotonic())
-                self._metrics.child(self._metrics.ttft, self._endpoint).observe(t_first[0] - self._started_s)
+            self._first_byte()
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         try:
@@ -221,7 +279,7 @@ class StreamAnswer:
             if self._first is not None:
                 await emit(self._first)
             await self._relay_to(emit, send)
-            self._observe_tpot(t_first)
+            self._observe_tpot()
         finally:
             self.close()
 
@@ -234,15 +292,18 @@ class StreamAnswer:
             type_, code = "upstream_error", 502
         if failure is None:
             usage = self._relay.usage_chunk()
-            tail = ([usage] if usage else []) + [SSE_DONE]
+            pending = self._relay.take_tail()  # the last chunks: they leave with [DONE]
+            if pending:
+                self._first_byte()
+            tail = pending + ([usage] if usage else []) + [SSE_DONE]
         else:
             tail = error_events(failure, type_, code)
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
 
-    def _observe_tpot(self, t_first: list[float]) -> None:
+    def _observe_tpot(self) -> None:
         n = self._relay.chunks_sent + (self._first is not None)
-        if t_first and n > 1 and self._relay.t_last is not None:
-            self._metrics.child(self._metrics.tpot, self._endpoint).observe((self._relay.t_last - t_first[0]) / (n - 1))
+        if self._t_first is not None and n > 1 and self._relay.t_last is not None:
+            self._metrics.child(self._metrics.tpot, self._endpoint).observe((self._relay.t_last - self._t_first) / (n - 1))
 
     def close(self) -> None:
         """Idempotent cleanup; never awaits, so it also runs inside a cancelled task."""

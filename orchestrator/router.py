@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,10 +41,11 @@ MAX_TRACKED_SESSIONS = 65536  # per pool
 
 @dataclass(frozen=True)
 class RouteHint:
-    """What a router may know about a request: the chained hashes of its full prompt blocks, its
-    prompt length in tokens, and its session-affinity key."""
+    """What a router may know about a request: the chained hashes of its full prompt blocks (a
+    tuple, or :class:`orchestrator.prompt_blocks.PromptBlocks`, which hashes a block when it is
+    first read), its prompt length in tokens, and its session-affinity key."""
 
-    block_hashes: tuple[bytes, ...] = ()
+    block_hashes: Sequence[bytes] = ()
     num_tokens: int = 0
     session: str | None = None
 

@@ -29,10 +29,9 @@ def answer_to_events(answer: dict, chat: bool, include_usage: bool, continuous_u
     each = full if continuous_usage else None
     finish, logprobs = choice.get("finish_reason"), choice.get("logprobs")
     if chat:
-        text = (choice.get("message") or {}).get("content") or ""
         chunks = [
             ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(
-                delta=ChatDelta(role="assistant", content=text), logprobs=logprobs)]),
+                delta=_whole_delta(choice.get("message") or {}), logprobs=logprobs)]),
             ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason=finish)]),
         ]
         if usage is not None:
@@ -43,6 +42,16 @@ def answer_to_events(answer: dict, chat: bool, include_usage: bool, continuous_u
         if usage is not None:
             chunks.append(CompletionChunk(**head, choices=[], usage=usage))
     return [sse_event(c) for c in chunks] + [SSE_DONE]
+
+
+def _whole_delta(message: dict) -> ChatDelta:
+    """One delta holding a whole answer message: its content, reasoning and calls (with their indexes)."""
+    calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls") or [])] or None
+    reasoning = message.get("reasoning_content")
+    content = message.get("content")
+    if content is None and calls is None and reasoning is None:
+        content = ""
+    return ChatDelta(role="assistant", content=content, reasoning_content=reasoning, tool_calls=calls)
 
 
 def error_events(message: str, type_: str = "upstream_error", code: int = 502) -> list[bytes]:

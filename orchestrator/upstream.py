@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import jsonio
 from .errors import UpstreamRejected, error_type
-from .h1client import H1Client, Response, UpstreamError, UpstreamTimeout
+from .h1client import H1Client, PendingPost, Response, UpstreamError, UpstreamTimeout
 from .pools import Server
 
 log = logging.getLogger("orchestrator.upstream")
@@ -32,6 +32,17 @@ class AttemptFailed(Exception):
         super().__init__(message)
         self.server_fault = server_fault
         self.error_type = error_type
+
+
+def check_gen_answer(raw: bytes) -> dict:
+    """A gen server's 2xx JSON answer, parsed: it must be a JSON object. Raises AttemptFailed otherwise."""
+    try:
+        answer = jsonio.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise AttemptFailed("gen answer is not a JSON object")
+    return answer
 
 
 def describe(err: BaseException) -> str:
@@ -70,6 +81,42 @@ def request_headers(request_id: str | None, auth: tuple[tuple[str, str], ...] = 
     return ((("X-Request-Id", request_id),) if request_id else ()) + auth
 
 
+async def start_post(client: H1Client, server: Server, path: str, body: bytes, request_id: str | None = None,
+                     auth: tuple[tuple[str, str], ...] = ()) -> PendingPost:
+    """Write a JSON POST to ``server`` now (a pooled connection, or a new one: bounded by the
+    client's connect timeout) and return at once; :func:`read_answer` / :func:`first_chunk` wait
+    for the answer. Raises AttemptFailed (no connection)."""
+    try:
+        return await client.start(server.url, path, body, request_headers(request_id, auth))
+    except UpstreamError as err:
+        raise AttemptFailed(describe(err)) from None
+
+
+async def read_answer(pending: PendingPost, deadline: float, phase: str, timeout_s: float) -> bytes:
+    """The raw 2xx answer of ``pending``, read in full by ``deadline`` (``loop.time()``; ``timeout_s``
+    names the bound in the error).
+
+    Raises:
+        UpstreamRejected: the server answered 4xx.
+        AttemptFailed: 5xx, transport error or timeout.
+    """
+    resp: Response | None = None
+    try:
+        async with asyncio.timeout_at(deadline):
+            resp = await pending.response()
+            raw = await resp.read()
+    except TimeoutError:
+        raise AttemptFailed(f"no answer within {timeout_s:g} s") from None
+    except UpstreamError as err:
+        raise AttemptFailed(describe(err)) from None
+    finally:
+        pending.close()  # a no-op once the response was handed out
+        if resp is not None:
+            resp.close()  # a no-op once read; on cancellation it closes the connection (aborts upstream)
+    check_status(resp.status, raw, phase)
+    return raw
+
+
 async def post_json_raw(client: H1Client, server: Server, path: str, body: bytes, timeout_s: float, phase: str,
                         request_id: str | None = None, auth: tuple[tuple[str, str], ...] = ()) -> bytes:
     """POST JSON ``body`` and return the raw 2xx answer; the whole exchange is bounded by ``timeout_s``.
@@ -78,20 +125,9 @@ async def post_json_raw(client: H1Client, server: Server, path: str, body: bytes
         UpstreamRejected: the server answered 4xx.
         AttemptFailed: 5xx, transport error or timeout.
     """
-    resp: Response | None = None
-    try:
-        async with asyncio.timeout(timeout_s):
-            resp = await client.post(server.url, path, body, request_headers(request_id, auth))
-            raw = await resp.read()
-    except TimeoutError:
-        raise AttemptFailed(f"no answer within {timeout_s:g} s") from None
-    except UpstreamError as err:
-        raise AttemptFailed(describe(err)) from None
-    finally:
-        if resp is not None:
-            resp.close()  # a no-op once read; on cancellation it closes the connection (aborts upstream)
-    check_status(resp.status, raw, phase)
-    return raw
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    pending = await start_post(client, server, path, body, request_id, auth)  # bounded by the connect timeout
+    return await read_answer(pending, deadline, phase, timeout_s)
 
 
 @dataclass
@@ -128,10 +164,18 @@ async def open_stream(client: H1Client, server: Server, path: str, body: bytes, 
         UpstreamRejected: the server answered 4xx.
         AttemptFailed: 5xx, transport error, timeout, or a stream that ended before any byte.
     """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    pending = await start_post(client, server, path, body, request_id, auth)  # bounded by the connect timeout
+    return await first_chunk(pending, deadline, phase, timeout_s)
+
+
+async def first_chunk(pending: PendingPost, deadline: float, phase: str, timeout_s: float) -> OpenStream:
+    """The stream of ``pending`` once its first body chunk arrived, by ``deadline`` (``loop.time()``;
+    ``timeout_s`` names the bound in the error). Raises as :func:`open_stream`."""
     resp: Response | None = None
     try:
-        async with asyncio.timeout(timeout_s):
-            resp = await client.post(server.url, path, body, request_headers(request_id, auth))
+        async with asyncio.timeout_at(deadline):
+            resp = await pending.response()
             if not 200 <= resp.status < 300:
                 check_status(resp.status, await resp.read(), phase)
             first = b""
@@ -142,6 +186,7 @@ async def open_stream(client: H1Client, server: Server, path: str, body: bytes, 
                 first = chunk
             return OpenStream(resp, first)
     except BaseException as err:
+        pending.close()
         if resp is not None:
             resp.close()  # on cancellation (the client left) this is what aborts the gen request
         if isinstance(err, TimeoutError):

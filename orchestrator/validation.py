@@ -11,12 +11,13 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.tool_use import NO_TOOLS, ToolError, ToolUse, check_template_kwargs, tool_use
 from pdserve.request_body import (BodyError, StreamingRequest, decode_json, loc_path, read_limited, validate_request,
                                   validation_message)
 
 from .errors import OrchestratorError
 
-__all__ = ["REQUEST_MODELS", "loc_path", "parse_client_body", "read_client_body", "validation_message"]
+__all__ = ["REQUEST_MODELS", "loc_path", "parse_client_body", "read_client_body", "tools_of", "validation_message"]
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
@@ -49,6 +50,18 @@ def parse_client_body(raw: bytes, endpoint: str, served_model: str) -> dict:
         raise OrchestratorError(404, f"The model '{body['model']}' does not exist; this cluster serves "
                                      f"'{served_model}'", code="model_not_found", param="model", kind="bad_request")
     return body
+
+
+def tools_of(endpoint: str, body: dict) -> ToolUse:
+    """What a validated body's ``tools``/``tool_choice`` ask (:func:`pdserve.tool_use.tool_use`), with
+    ``chat_template_kwargs`` checked too. Raises OrchestratorError 400 naming the field."""
+    if not endpoint.endswith("/chat/completions"):
+        return NO_TOOLS
+    try:
+        check_template_kwargs(body.get("chat_template_kwargs"))
+        return tool_use(body.get("tools"), body.get("tool_choice"))
+    except ToolError as err:
+        raise OrchestratorError(400, str(err), param=err.param, kind="bad_request") from None
 
 
 async def read_client_body(request: StreamingRequest, endpoint: str, served_model: str) -> dict:

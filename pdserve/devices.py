@@ -6,7 +6,7 @@
 
 A server resolves its device once (``executor.server_main``, like its dtype: the dtype ``auto``
 depends on the device) and only the concrete value (``cpu`` or ``cuda:N``) travels on to the
-ranks and the engine (:class:`engine.config.EngineConfig` refuses ``auto``).
+ranks and the engine (:func:`engine.config.check_engine_config` refuses ``auto``).
 
 Torch-free (the orchestrator imports it): the number of visible CUDA devices is a parameter of
 :func:`resolve_device`; :func:`visible_cuda_devices` is the only place that asks torch.

@@ -7,7 +7,7 @@ alike). So ``auto`` is bf16 where it is native and fp32 everywhere else.
 
 A server resolves its dtype once, at start (:meth:`pdserve.config.ServerConfig.with_resolved_dtype`
 in ``executor.server_main``), and only the concrete value travels on: to the worker ranks, the
-engine (:class:`engine.config.EngineConfig` refuses ``auto``), and the KV layout that
+engine (:func:`engine.config.check_engine_config` refuses ``auto``), and the KV layout that
 ``/server_info`` reports and the orchestrator compares at join time (a ctx and a gen server on
 different CPUs may resolve ``auto`` differently: the join check then names both values).
 

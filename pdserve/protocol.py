@@ -14,7 +14,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_serializer,
+                      model_validator)
+
+from pdserve.tool_protocol import MAX_TOOLS, Tool, ToolCall, ToolChoice
 
 from pdserve.structured_output import ResponseFormat, StructuredOutputSpec, StructuredOutputsParams, spec_of
 
@@ -101,6 +104,15 @@ class DisaggregatedParams(BaseModel):
         None, description="request side: a streamed answer carries each chunk's new output token ids in "
                           "`choices[0].token_ids` (the orchestrator strips them; it keeps them to migrate a stream)")
     ctx_url: CtxURL | None = Field(None, description="generation_first: the ctx server to wait on for the rest")
+    movable: StrictBool | None = Field(
+        None, description="request side (streams only): if this server drains with move_kv, the stream may end "
+                          "with a `moved` event (the request's KV parked here for another gen server to pull)")
+    kv_num_tokens: Count | None = Field(
+        None, description="moved request: the lease holds the KV of this many tokens (prompt + first_gen_tokens "
+                          "but the last), not only the prompt's")
+    raw_output: StrictBool | None = Field(
+        None, description="request side: the caller assembles the client's text itself and parses tool calls and "
+                          "reasoning out of it (pdserve.output_parser); the server streams the text unparsed")
 
     @property
     def awaits_ctx(self) -> bool:
@@ -131,13 +143,18 @@ class DisaggregatedParams(BaseModel):
         if any(x.tp_rank != i or x.tp_size != len(layouts) for i, x in enumerate(layouts)):
             raise ValueError(f"kv_layouts must be ranks 0..{len(layouts) - 1} of a group of {len(layouts)}, in order")
         block_size = layouts[0].block_size
-        needed = -(-len(self.prompt_token_ids or []) // block_size)
+        prompt = len(self.prompt_token_ids or [])
+        if self.kv_num_tokens is not None and not prompt <= self.kv_num_tokens < prompt + len(self.first_gen_tokens or []):
+            raise ValueError(f"kv_num_tokens {self.kv_num_tokens} is outside [{prompt} prompt tokens, prompt + "
+                             f"first_gen_tokens - 1]")
+        kv_tokens = self.kv_num_tokens or prompt
+        needed = -(-kv_tokens // block_size)
         if self.kv_block_count is not None and self.kv_block_count > needed:
             raise ValueError(f"kv_block_count {self.kv_block_count} is more than the {needed} blocks "
-                             f"{len(self.prompt_token_ids or [])} prompt tokens fill")
-        if self.kv_block_hashes is not None and len(self.kv_block_hashes) > len(self.prompt_token_ids or []) // block_size:
+                             f"{kv_tokens} tokens fill")
+        if self.kv_block_hashes is not None and len(self.kv_block_hashes) > kv_tokens // block_size:
             raise ValueError(f"{len(self.kv_block_hashes)} kv_block_hashes for the "
-                             f"{len(self.prompt_token_ids or []) // block_size} full blocks of the prompt")
+                             f"{kv_tokens // block_size} full blocks of {kv_tokens} tokens")
         if self.cached_tokens is not None and self.cached_tokens > len(self.prompt_token_ids or []):
             raise ValueError(f"cached_tokens {self.cached_tokens} is more than the "
                              f"{len(self.prompt_token_ids or [])} prompt tokens")
@@ -253,13 +270,33 @@ class _SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message of the history. ``content`` may be null only on an assistant message that
+    carries ``tool_calls``; a ``tool`` message answers the call named by ``tool_call_id``;
+    ``reasoning_content`` (an assistant's earlier thinking) reaches templates that read it."""
+
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_role(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only on an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        return self
 
     def text(self) -> str:
-        """The message text; list content must hold only ``{"type": "text", "text": ...}`` parts."""
+        """The message text ("" for null content); list content must hold only ``{"type": "text",
+        "text": ...}`` parts (ValueError otherwise)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -277,6 +314,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description="none | auto | required | {type: function, function: "
+                                           "{name}}; default auto with tools, none without")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's field: extra variables for the chat template (e.g. {\"enable_thinking\": false})")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -363,9 +405,27 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+def _drop_null_extras(data: dict) -> dict:
+    """Leave ``tool_calls`` / ``reasoning_content`` out of a message or delta when they are null, so
+    an answer without tools or reasoning is written exactly as before they existed."""
+    for key in ("tool_calls", "reasoning_content"):
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
 class ChatResponseMessage(BaseModel):
+    """The answer's message: ``content`` (null when the answer is only tool calls), ``tool_calls``
+    and ``reasoning_content`` (both left out when absent)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler) -> dict:
+        return _drop_null_extras(handler(self))
 
 
 class ChatChoice(BaseModel):
@@ -386,8 +446,17 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """One streamed delta; ``tool_calls`` holds OpenAI's partial calls (``index``; ``id``, ``type``
+    and ``function.name`` in a call's first delta; ``function.arguments`` fragments)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler) -> dict:
+        return _drop_null_extras(handler(self))
 
 
 class ChatChunkChoice(BaseModel):
@@ -454,6 +523,8 @@ class TokenizeChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -18,10 +18,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from engine.tiny import make_tiny_llama
-
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+def cluster(tiny_model_dir, tmp_path_factory):
+    model = tiny_model_dir
     procs = Procs(tmp_path_factory.mktemp("logs"))
     topo = write_topology(tmp_path_factory.mktemp("topo") / "tiny.yaml", str(model), "tiny-llama",
                           engine={"executor": "inproc"}, kv_transfer={"backend": "tcp"})

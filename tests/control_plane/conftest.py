@@ -17,7 +17,6 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import tiny_model_dir  # noqa: F401 - fixture
 from tests.integration.procs import ROOT, free_port
 
 TINY = "tiny-llama"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 
 import pytest
 
@@ -82,6 +83,11 @@ def test_chaos_three_kills_under_streaming_load(chaos_cluster):
         assert r.t_kill_s is not None and r.ready_after_s is not None, (r, c.log())
     status = wait_all_ready(c.url, {"ctx": 2, "gen": 2}, timeout_s=30)
     assert status["pools"]["gen"]["restarts"] == 2 and status["pools"]["ctx"]["restarts"] == 1, status
+    # The rank-0 kill made its server exit 75 (dead engine), and the launcher restarted it for that
+    # (the frontend kills are signal deaths); test_restart.py checks the same for a TP follower rank.
+    full_log = (c.log_dir / "orchestrator.log").read_text(errors="replace")
+    dead_exits = re.findall(r"(\w+)#\d+ \S+ died \(exit code 75 \(engine dead\)\); restart 1 of 3", full_log)
+    assert dead_exits == ["gen"], (dead_exits, c.log())
     pools = wait_kv_full(status, timeout_s=LEASE_MS / 1000 + 10)
     assert all(free == total and parked == 0 for free, total, parked in pools.values()), pools
     assert counts["identical"] >= MIN_IDENTICAL_FRACTION * counts["requests"], counts

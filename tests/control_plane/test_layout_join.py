@@ -23,8 +23,10 @@ OTHER = {"float32": "bfloat16", "bfloat16": "float32"}[HERE]
 ])
 def test_layout_mismatch_is_refused_at_join(tiny_model_dir, procs, tmp_path,  # noqa: F811 - fixtures
                                             field, ctx_engine, gen_engine, gen_value, ctx_value):
-    base = write_topology(tmp_path / "cluster.yaml", str(tiny_model_dir), TINY_NAME,
-                          orchestrator={"health_interval_s": 0.1})  # block_size 4
+    # block_size 4; inproc engines: the join-time check reads /server_info, whichever executor
+    # runs behind it, and an inproc server starts seconds sooner than an MPI lattice
+    base = write_topology(tmp_path / "cluster.yaml", str(tiny_model_dir), TINY_NAME, engine={"executor": "inproc"},
+                          orchestrator={"health_interval_s": 0.1})
     doc = yaml.safe_load(base.read_text())
     topo, wide = tmp_path / "ctx.yaml", tmp_path / "gen.yaml"  # same cluster (ports, orchestrator)
     for path, engine in ((topo, ctx_engine), (wide, gen_engine)):

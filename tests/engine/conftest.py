@@ -12,16 +12,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # several times slower (SmolLM2 decode: 64 s vs 8 s for the same run). Must precede `import torch`.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine import EngineConfig, LLMEngine  # noqa: E402
+from engine import LLMEngine  # noqa: E402
 from engine.model_files import resolve_model_path  # noqa: E402
 from engine.tiny import make_tiny_llama  # noqa: E402
+from engine_testutil import cpu_settings  # noqa: E402
 
-torch.set_num_threads(2)
+# The machine's 2 cores, shared by the pytest-xdist workers (PYTEST_XDIST_WORKER_COUNT in each).
+torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(scope="session")
 def smollm2_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=512))  # the HF reference's dtype
+    return LLMEngine(cpu_settings(num_kv_blocks=512), "smollm2")  # float32: the HF reference's dtype
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +37,8 @@ def tiny_dir(tmp_path_factory, smollm2_engine) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_dir):
-    def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(tiny_dir), **{"dtype": "float32", **kw}))  # HF compares in fp32
+    def make(kv_connector: str = "disagg", **kw) -> LLMEngine:
+        return LLMEngine(cpu_settings(**kw), str(tiny_dir), kv_connector=kv_connector)  # HF compares in fp32
     return make
 
 

@@ -6,6 +6,13 @@ import inspect
 import torch
 
 from engine import EngineRequest, LLMEngine, SamplingParams
+from pdserve.config import EngineSettings
+
+
+def cpu_settings(**kw) -> EngineSettings:
+    """Engine settings of a test engine: float32 on the CPU (what the HF references compute in),
+    ``kw`` on top (EngineSettings fields; ValidationError for another name)."""
+    return EngineSettings(**{"dtype": "float32", "device": "cpu", **kw})
 
 
 def greedy(max_tokens: int = 32, **kw) -> SamplingParams:

@@ -4,20 +4,20 @@ import time
 
 import pytest
 
-from engine import EngineConfig, EngineRequest, LLMEngine
+from engine import EngineRequest, LLMEngine
 
-from engine_testutil import greedy
+from engine_testutil import cpu_settings, greedy
 from engine_tp_testutil import run_group
 from families import FAMILIES, N_NEW, prompts
 
-TP_KW = dict(dtype="float32", num_kv_blocks=64, max_num_tokens=16)
+TP_KW = dict(num_kv_blocks=64, max_num_tokens=16)
 
 
 def _run_families(tp, dirs: dict[str, str], prompt_ids: list[list[int]]) -> dict:
     """Each rank: every family in turn; rank 0 drives and returns its tokens, followers follow."""
     out = {}
     for name, path in dirs.items():
-        engine = LLMEngine(EngineConfig(model=path, **TP_KW), tp)
+        engine = LLMEngine(cpu_settings(**TP_KW), path, tp)
         if tp.rank != 0:
             engine.run_follower()
             out[name] = {"local_kv_heads": engine.local_kv_heads}

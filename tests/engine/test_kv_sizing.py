@@ -4,9 +4,10 @@ from unittest import mock
 
 import pytest
 
-from engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
+from engine.config import CPU_DEFAULT_KV_BLOCKS
 from engine.kv_sizing import (DeviceMemory, activation_reserve_bytes, blocks_for_budget, kv_block_bytes,
                               resolve_num_kv_blocks)
+from pdserve.config import EngineSettings
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -48,13 +49,13 @@ def _mc() -> SimpleNamespace:
 
 
 def test_unset_on_cpu_is_the_default_and_set_wins():
-    assert resolve_num_kv_blocks(EngineConfig(model="m", num_kv_blocks=None), _mc(), 2) == CPU_DEFAULT_KV_BLOCKS
-    assert resolve_num_kv_blocks(EngineConfig(model="m", num_kv_blocks=7, device="cuda:0"), _mc(), 2) == 7
+    assert resolve_num_kv_blocks(EngineSettings(dtype="float32", device="cpu"), _mc(), 2) == CPU_DEFAULT_KV_BLOCKS
+    assert resolve_num_kv_blocks(EngineSettings(dtype="float32", device="cuda:0", num_kv_blocks=7), _mc(), 2) == 7
 
 
 def test_unset_on_cuda_asks_mem_get_info():
-    cfg = EngineConfig(model="m", num_kv_blocks=None, device="cuda:0", gpu_memory_utilization=0.5,
-                       max_num_tokens=64, max_batch_size=4)
+    cfg = EngineSettings(dtype="float32", device="cuda:0", gpu_memory_utilization=0.5, max_num_tokens=64,
+                         max_batch_size=4)
     block = kv_block_bytes(4, 2, 16, 16, 4)
     reserve = activation_reserve_bytes(64, 4, 64, 128, 1000, 4)
     with mock.patch("torch.cuda.mem_get_info", return_value=(8 * GIB, 10 * GIB)) as info, \

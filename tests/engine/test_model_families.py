@@ -6,19 +6,19 @@ negative control per feature: the engine with that feature switched off must NOT
 import pytest
 import torch
 
-from engine import EngineConfig, EngineRequest, LLMEngine
+from engine import EngineRequest, LLMEngine
 from engine.layers import RotaryTable
 
-from engine_testutil import greedy, run_all
+from engine_testutil import cpu_settings, greedy, run_all
 from families import FAMILIES, N_NEW, WINDOW, prompts
 from test_disagg import _ctx, _gen
 
-ENGINE_KW = dict(dtype="float32", num_kv_blocks=64)
+ENGINE_KW = dict(num_kv_blocks=64)
 
 
 def _engine(path, **kw) -> LLMEngine:
     """An engine on a family checkpoint (fixtures family_dirs / hf_tokens: conftest.py)."""
-    return LLMEngine(EngineConfig(model=str(path), **{**ENGINE_KW, **kw}))
+    return LLMEngine(cpu_settings(**{**ENGINE_KW, **kw}), str(path))
 
 
 def _colocated(engine: LLMEngine) -> list[list[int]]:

@@ -1,8 +1,9 @@
 """Continuous batching must not change greedy results; budgets and preemption hold."""
 import time
 
-from engine import EngineConfig, EngineRequest, LLMEngine
+from engine import EngineRequest, LLMEngine
 from engine.model_runner import ModelRunner
+from pdserve.config import EngineSettings
 
 from engine_testutil import PROMPTS, greedy, run_all
 
@@ -68,7 +69,7 @@ def test_preemption_gives_identical_output(tiny_engine_factory, tiny_engine):
 
 def test_engine_config_defaults(tiny_engine):
     cfg = tiny_engine.config
-    assert isinstance(cfg, EngineConfig)
+    assert isinstance(cfg, EngineSettings) and cfg.num_kv_blocks == 256  # the settings it was given, sized
     assert tiny_engine.max_model_len == min(2048, cfg.num_kv_blocks * cfg.block_size)
     assert isinstance(tiny_engine, LLMEngine)
 

@@ -3,10 +3,10 @@ the resume point, so it survives the eviction of the prompt's first blocks (whic
 NULL_BLOCK); CONTEXT_ONLY hand-offs keep the full-attention rule (their whole table moves)."""
 import pytest
 
-from engine import EngineConfig, EngineRequest, LLMEngine
+from engine import EngineRequest, LLMEngine
 from engine.block_manager import NULL_BLOCK, BlockManager
 
-from engine_testutil import greedy, run_all
+from engine_testutil import cpu_settings, greedy, run_all
 from families import WINDOW, hf_reference, prompts
 from test_disagg import _ctx
 
@@ -76,8 +76,7 @@ def _evict_first_blocks(engine: LLMEngine, prompt: list[int], n: int) -> None:
 
 @pytest.fixture
 def mistral_engine(family_dirs):
-    return LLMEngine(EngineConfig(model=str(family_dirs["mistral"]), dtype="float32",
-                                  num_kv_blocks=64, block_size=BS))
+    return LLMEngine(cpu_settings(num_kv_blocks=64, block_size=BS), str(family_dirs["mistral"]))
 
 
 def _resume_after_eviction(eng: LLMEngine) -> tuple[list[int], dict]:

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from engine import EngineConfig, EngineRequest, LLMEngine
+from engine import EngineRequest, LLMEngine
 from engine.tiny import make_tiny_llama
 from engine.tp import TPContext, kv_head_range, split_range
 
-from engine_testutil import PROMPTS, greedy, run_all
+from engine_testutil import PROMPTS, cpu_settings, greedy, run_all
 from engine_tp_testutil import run_group
 
 N_NEW = 24
@@ -104,7 +104,7 @@ def _tp_scenarios(tp, scenarios):
     """Each rank: for every (name, model, engine kwargs, prompts) build an engine and run it."""
     out = {}
     for name, model, kw, prompts in scenarios:
-        engine = LLMEngine(EngineConfig(model=model, **kw), tp)
+        engine = LLMEngine(cpu_settings(**kw), model, tp)
         out[name] = _drive(engine, name, prompts) if tp.rank == 0 else _follow(engine)
         if tp.rank == 0:
             engine.stop_followers()
@@ -165,7 +165,7 @@ def test_tp2_tiny_uneven_matches_tp1(tp2_run, uneven_tiny_dir):
     r0, r1 = runs["tiny_uneven"]
     assert (r0["local_kv_heads"], r1["local_kv_heads"]) == (1, 2)
     assert (r0["kv_shape"][4], r1["kv_shape"][4]) == (1, 2)
-    ref = LLMEngine(EngineConfig(model=str(uneven_tiny_dir), **TINY_KW))
+    ref = LLMEngine(cpu_settings(**TINY_KW), str(uneven_tiny_dir))
     assert r0["tokens"] == _tp1_tokens(ref, prompts)
 
 
@@ -181,7 +181,7 @@ def test_tp2_prefix_cache_hits_match_tp1_uncached(tp2_run, uneven_tiny_dir):
     runs, _, shared = tp2_run
     r0, _ = runs["tiny_uneven_shared"]
     assert r0["prefix_cache_hits"] >= 2 * 48, "the later prompts should start after the cached head"
-    ref = LLMEngine(EngineConfig(model=str(uneven_tiny_dir), enable_prefix_caching=False, **TINY_KW))
+    ref = LLMEngine(cpu_settings(enable_prefix_caching=False, **TINY_KW), str(uneven_tiny_dir))
     assert r0["tokens"] == _tp1_tokens(ref, shared)
 
 
@@ -196,7 +196,7 @@ def test_extras_arrive_in_order_before_their_step(tp2_run, name):
 
 # ---- liveness ------------------------------------------------------------------------------------
 def _idle_then_hang(tp, model, timeout_s):
-    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=8), tp)
+    engine = LLMEngine(cpu_settings(num_kv_blocks=8), model, tp)
     if tp.rank == 0:
         time.sleep(1.5 * timeout_s)         # idle, no step(): the keepalive thread speaks
         engine.broadcast_extra("hang")
@@ -223,7 +223,7 @@ def test_follower_survives_idle_rank0_and_times_out_on_hung_one(tiny_dir):
 
 
 def _rank0_dies(tp, model):
-    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=8), tp)
+    engine = LLMEngine(cpu_settings(num_kv_blocks=8), model, tp)
     if tp.rank == 0:
         engine.broadcast_extra("bye")
         time.sleep(0.5)

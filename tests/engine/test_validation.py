@@ -3,17 +3,32 @@ from pathlib import Path
 
 import pytest
 
-from engine import (EngineConfig, EngineRequest, Phase, RequestValidationError, SamplingParams)
+from engine import (EngineRequest, LLMEngine, Phase, RequestValidationError, SamplingParams)
 from engine.model_files import resolve_model_path
+from pdserve.config import EngineSettings
+
+from engine_testutil import cpu_settings
 
 
-@pytest.mark.parametrize("kw", [dict(dtype="float64"), dict(dtype="auto"), dict(block_size=0),
+@pytest.mark.parametrize("kw", [dict(dtype="float64"), dict(block_size=0),
                                 dict(num_kv_blocks=-1), dict(max_batch_size=0),
                                 dict(max_num_tokens=0), dict(max_model_len=1),
-                                dict(num_threads=0), dict(model="")])
-def test_bad_config_raises(kw):
-    with pytest.raises(ValueError):
-        EngineConfig(**{"model": "smollm2", **kw})
+                                dict(num_threads=0), dict(gpu_memory_utilization=1.5), dict(blok_size=4)])
+def test_bad_settings_raise_naming_the_field(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        EngineSettings(**kw)
+
+
+@pytest.mark.parametrize("kw,model,connector,match", [
+    (dict(dtype="auto"), "smollm2", "disagg", "'auto' must be resolved"),
+    (dict(device="auto"), "smollm2", "disagg", "engine.device must be 'cpu' or 'cuda:N'"),
+    (dict(device="cuda"), "smollm2", "disagg", "engine.device must be 'cpu' or 'cuda:N'"),
+    ({}, "", "disagg", "non-empty"),
+    ({}, "smollm2", "p2p", "kv_connector"),
+])
+def test_the_engine_refuses_unresolved_settings_before_loading(kw, model, connector, match):
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(cpu_settings(**kw), model, kv_connector=connector)
 
 
 def test_resolve_model_path(tmp_path: Path, tiny_dir):

@@ -6,20 +6,18 @@ import asyncio
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
 from engine.sampling_params import SamplingParams
 from executor.engine_client import EngineDeadError, EngineNotServingError, EngineState
 from executor.inproc_executor import InProcessExecutor
+from pdserve.config import EngineSettings
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from engine.tiny import make_tiny_llama
-
-    path = make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=4, num_threads=1))
+def engine(tiny_model_dir):
+    return LLMEngine(EngineSettings(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, num_threads=1),
+                     str(tiny_model_dir))
 
 
 def req(rid: str, n: int = 8) -> EngineRequest:

@@ -7,8 +7,9 @@ import logging
 import pytest
 
 from executor.server_main import resolve_dtype_once
-from executor.server_setup import engine_config
+from executor.server_setup import make_engine
 from pdserve.config import parse_topology
+from tests.executor.engine_args import engine_args
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
 BF16 = AVX2 | {"avx512_bf16"}
@@ -28,7 +29,7 @@ def test_resolved_once_with_a_warning_for_emulated_bf16(caplog, setting, flags, 
     with caplog.at_level(logging.INFO, logger="pdserve.server"):
         cfg = resolve_dtype_once(_server(setting), flags)
     assert cfg.engine.dtype == resolved
-    assert engine_config(cfg).dtype == resolved  # what the engine (and the KV layout) is built with
+    assert engine_args(cfg)["config"].dtype == resolved  # what the engine (and the KV layout) is built with
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert bool(warnings) is warns, warnings
     if warns:
@@ -37,4 +38,4 @@ def test_resolved_once_with_a_warning_for_emulated_bf16(caplog, setting, flags, 
 
 def test_an_unresolved_dtype_never_reaches_the_engine():
     with pytest.raises(ValueError, match="'auto' must be resolved"):
-        engine_config(_server("auto"))
+        make_engine(_server("auto"))  # refused before any weight is read

@@ -207,6 +207,8 @@ def odd_role(g: Gen):
     role = g.pick(ODD_ROLES + ["system", "developer", "assistant", "tool", "user"])
     body = chat_body(g.model)
     body["messages"] = [{"role": role, "content": "hi"}]
+    if role == "tool":  # a tool message answers a call: OpenAI requires its id (without it: 422)
+        body["messages"][0]["tool_call_id"] = "call_1"
     valid = role in ("system", "developer", "assistant", "tool", "user")
     return CHAT, dumps(body), ACCEPT if valid else REJECT, f"role={role!r}"
 

@@ -60,8 +60,12 @@ class Procs:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
-    def wait_healthy(self, name: str, url: str, timeout_s: float = 120.0) -> None:
-        """Poll ``url/health`` until 200. Raises RuntimeError (with the log tail) on exit or timeout."""
+    def wait_healthy(self, name: str, url: str, timeout_s: float = 240.0) -> None:
+        """Poll ``url/health`` until 200. Raises RuntimeError (with the log tail) on exit or timeout.
+
+        The default bound is a cold start on a 2-core machine at load ~20 (the import alone took
+        60 s there, the MPI ranks 40 s more: 120 s failed); an idle machine needs ~10 s, and the
+        poll returns as soon as the server answers."""
         deadline = time.monotonic() + timeout_s
         proc = self.procs[name]
         while time.monotonic() < deadline:

@@ -62,9 +62,12 @@ class ThreadedCluster:
 
     @classmethod
     def start(cls, model_dir: Path, work_dir: Path, pools: dict | None = None,
-              orchestrator: dict | None = None, timeout_s: float = 60.0) -> "ThreadedCluster":
-        """``pools``: extra keys per pool (e.g. ``{"gen": {"api_key_env": "K"}}``)."""
-        path = write_topology(work_dir / "threaded.yaml", str(model_dir), MODEL,
+              orchestrator: dict | None = None, timeout_s: float = 60.0, num_gen: int = 1,
+              model: dict | None = None) -> "ThreadedCluster":
+        """``pools``: extra keys per pool (e.g. ``{"gen": {"api_key_env": "K"}}``). ``num_gen`` gen
+        servers: ``servers["gen"]``, ``servers["gen1"]``, ...; ``model``: more ``model:`` keys
+        (e.g. ``{"tool_call_parser": "hermes"}``)."""
+        path = write_topology(work_dir / "threaded.yaml", str(model_dir), MODEL, num_gen=num_gen,
                               engine={"executor": "inproc", "num_kv_blocks": 256},
                               kv_transfer={"backend": "tcp", "lease_ms": 10000},
                               orchestrator={"health_interval_s": 0.05, "max_local_prefill_length": 0,
@@ -72,14 +75,15 @@ class ThreadedCluster:
         doc = yaml.safe_load(path.read_text())
         for role, extra in (pools or {}).items():
             doc["pools"][role].update(extra)
+        doc["model"].update(model or {})
         path.write_text(yaml.safe_dump(doc))
         topo = load_topology(path)
         servers: dict[str, ThreadServer] = {}
         try:
-            for role in ("ctx", "gen"):
-                cfg = topo.server_config(role, 0).model_copy(update={"orchestrator_url": ""})
+            for role, i in [("ctx", 0)] + [("gen", i) for i in range(num_gen)]:
+                cfg = topo.server_config(role, i).model_copy(update={"orchestrator_url": ""})
                 app = create_server_app(build_inproc_state(cfg))
-                servers[role] = ThreadServer(app, _socket_on(cfg.port)).start(timeout_s)
+                servers[role if i == 0 else f"{role}{i}"] = ThreadServer(app, _socket_on(cfg.port)).start(timeout_s)
             servers["orchestrator"] = ThreadServer(create_app(topo), _socket_on(topo.orchestrator.port)).start(timeout_s)
             cluster = cls(servers["orchestrator"].url, servers)
             cluster.wait_ready(timeout_s)

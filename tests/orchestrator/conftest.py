@@ -45,11 +45,12 @@ class Cluster:
             s.stop()
 
 
-def make_topology(ctx_ports: list[int], gen_ports: list[int], orch_port: int, **orch: object) -> Topology:
+def make_topology(ctx_ports: list[int], gen_ports: list[int], orch_port: int, model: dict | None = None,
+                  **orch: object) -> Topology:
     settings = {"host": "127.0.0.1", "port": orch_port, "health_interval_s": 0.05, "connect_timeout_s": 1.0,
                 "request_timeout_s": 10.0, **orch}
     return parse_topology({
-        "model": {"name": MODEL},
+        "model": {"name": MODEL, **(model or {})},
         "orchestrator": settings,
         "pools": {"ctx": {"servers": [{"port": p} for p in ctx_ports]},
                   "gen": {"servers": [{"port": p} for p in gen_ports]}},
@@ -58,17 +59,17 @@ def make_topology(ctx_ports: list[int], gen_ports: list[int], orch_port: int, **
 
 @pytest.fixture
 def make_cluster():
-    """``make_cluster(n_ctx=1, n_gen=1, wait=True, layouts=None, behaviors=None, **orchestrator_settings) -> Cluster``.
+    """``make_cluster(n_ctx=1, n_gen=1, wait=True, layouts=None, behaviors=None, model=None, **orchestrator_settings)``.
 
     ``layouts={"gen": [{"block_size": 32}]}``: KV layout fields of gen server 0 that differ from
     :data:`orch_fakes.KV_LAYOUT` (what its ``/server_info`` reports); ``None``: no ``/server_info``.
     ``behaviors={"ctx": [{"max_model_len": 512}]}``: :class:`orch_fakes.Behavior` fields of ctx
-    server 0, set before it starts.
+    server 0, set before it starts. ``model``: more ``model:`` keys (e.g. ``{"tool_call_parser": "hermes"}``).
     """
     clusters: list[Cluster] = []
 
     def factory(n_ctx: int = 1, n_gen: int = 1, wait: bool = True, layouts: dict[str, list[dict | None]] | None = None,
-                behaviors: dict[str, list[dict]] | None = None, **orch: object) -> Cluster:
+                behaviors: dict[str, list[dict]] | None = None, model: dict | None = None, **orch: object) -> Cluster:
         nodes = {}
         servers: list[ThreadServer] = []
         for role, n in (("ctx", n_ctx), ("gen", n_gen)):
@@ -85,7 +86,7 @@ def make_cluster():
                 nodes[role].append(FakeNode(srv, beh, rec))
         sock = bind_socket()
         topo = make_topology([n.server.port for n in nodes["ctx"]], [n.server.port for n in nodes["gen"]],
-                             sock.getsockname()[1], **orch)
+                             sock.getsockname()[1], model, **orch)
         orch_srv = ThreadServer(create_app(topo), sock).start()
         servers.append(orch_srv)
         cluster = Cluster(orch_srv.url, topo, nodes["ctx"], nodes["gen"], orch_srv, servers)

@@ -1,6 +1,6 @@
 """Fake ctx/gen servers speaking the pdserve server protocol with canned tokens (no engine).
 
-Token ``i`` of every answer is ``TOKENS[i % len(TOKENS)]``; the ctx server samples token 0 and the
+Token ``i`` of every answer is ``TOKENS[i % len(TOKENS)]`` (or of ``Behavior.tokens``); the ctx server samples token 0 and the
 gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once; a
 migrated stream's gen request lists tokens 0..k-1 there, and the gen stream still starts at token 0,
 as a real gen server's does), with token id ``i`` in ``token_ids`` when asked.
@@ -35,8 +35,9 @@ KV_LAYOUT = {"model": MODEL, "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, 
              "tp_rank": 0, "tp_size": 1}
 
 
-def text_of(n: int) -> str:
-    return "".join(TOKENS[i % len(TOKENS)] for i in range(n))
+def text_of(n: int, tokens: list[str] | None = None) -> str:
+    tokens = tokens or TOKENS
+    return "".join(tokens[i % len(tokens)] for i in range(n))
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Behavior:
     break_after_chunks: int | None = None  # gen stream: drop the connection after N chunks
     break_times: int = 10**9               # ... in this many streams (then stream normally)
     dead_after_chunks: int | None = None   # gen stream: an in-band engine_dead error event after N chunks
+    moved_after_chunks: int | None = None  # gen stream (movable): a drain's moved event after N chunks (once)
     chunk_delay_s: float = 0.0
     no_done: bool = False                  # gen stream: end cleanly but without [DONE]
     answer_delay_s: float = 0.0            # gen: think this long before answering (watching for a disconnect)
@@ -57,6 +59,8 @@ class Behavior:
     reset_status: int = 200                # POST /reset_prefix_cache answers this
     ctx_wait_ms: int = 5000                # gen, generation_first: how long it waits on the ctx server
     ctx_delay_s: float = 0.0               # ctx: think this long before answering (a slow prefill)
+    tokens: list[str] | None = None        # the token texts answers are made of (None: TOKENS)
+    finish_reason: str = "length"          # what an answer that reaches max_tokens ends with
 
 
 @dataclass
@@ -108,18 +112,19 @@ def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: boo
                       "choices": [{"index": 0, "text": text or "", **ids, "finish_reason": finish}]})
 
 
-def _ctx_answer(rec: Record, chat: bool, body: dict) -> tuple[JSONResponse, dict]:
+def _ctx_answer(beh: Behavior, rec: Record, chat: bool, body: dict) -> tuple[JSONResponse, dict]:
     """The ctx answer and the lease-wait outcome it settles."""
     n = _max_tokens(body, chat)
     if n == 1:
-        return JSONResponse(_answer(chat, text_of(1), "length", 1, None)), {"state": "finished"}
+        return JSONResponse(_answer(chat, text_of(1, beh.tokens), beh.finish_reason, 1, None)), {"state": "finished"}
     lease = f"lease-{uuid.uuid4().hex[:8]}"
     rec.leases.add(lease)
     dp = {"request_type": "context_only", "disagg_request_id": body["disaggregated_params"]["disagg_request_id"],
           "ctx_request_id": lease, "first_gen_tokens": [0], "prompt_token_ids": PROMPT_TOKENS,
           "kv_endpoint": "tcp://127.0.0.1:1", "kv_block_count": 1, "lease_deadline": time.time() + 30,
           "kv_layout": KV_LAYOUT}
-    return JSONResponse(_answer(chat, text_of(1), None, 1, dp)), {"state": "parked", "disaggregated_params": dp}
+    return JSONResponse(_answer(chat, text_of(1, beh.tokens), None, 1, dp)), {"state": "parked",
+                                                                              "disaggregated_params": dp}
 
 
 async def _wait_ctx(beh: Behavior, rec: Record, dp: dict) -> JSONResponse | None:
@@ -137,10 +142,21 @@ async def _wait_ctx(beh: Behavior, rec: Record, dp: dict) -> JSONResponse | None
     return JSONResponse(error_body(f"ctx wait: {answer['state']}", kind, status), status_code=status)
 
 
+def _moved_params(dp: dict, n: int) -> dict:
+    """What a draining gen server's moved event carries after it streamed output tokens 0..n-1 (the
+    fake's token ids are the positions): its own lease of prompt + n - 1 tokens."""
+    kv = len(PROMPT_TOKENS) + n - 1
+    return {"request_type": "context_only", "ctx_request_id": f"moved-{uuid.uuid4().hex[:8]}",
+            "first_gen_tokens": list(range(n)), "prompt_token_ids": PROMPT_TOKENS, "kv_endpoint": "tcp://127.0.0.1:2",
+            "kv_layout": KV_LAYOUT, "kv_block_count": -(-kv // KV_LAYOUT["block_size"]), "kv_num_tokens": kv,
+            "lease_deadline": time.time() + 30}
+
+
 def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
     n = _max_tokens(body, chat)
     include_usage = (body.get("stream_options") or {}).get("include_usage", False)
-    with_ids = bool((body.get("disaggregated_params") or {}).get("stream_token_ids"))
+    dp = body.get("disaggregated_params") or {}
+    with_ids = bool(dp.get("stream_token_ids"))
     cid = f"cmpl-{uuid.uuid4().hex[:8]}"
 
     async def events():
@@ -152,13 +168,20 @@ def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
             for i in range(n):
                 if breaks and i >= beh.break_after_chunks:
                     raise RuntimeError("injected mid-stream failure")
+                if beh.moved_after_chunks is not None and i >= beh.moved_after_chunks and dp.get("movable"):
+                    beh.moved_after_chunks = None
+                    yield sse_event({"moved": _moved_params(dp, i)})
+                    yield SSE_DONE
+                    done = True
+                    return
                 if beh.dead_after_chunks is not None and i >= beh.dead_after_chunks:
                     yield sse_event(error_body("engine is dead: injected", "engine_dead", 503))
                     yield SSE_DONE
                     return
-                yield _chunk(chat, cid, TOKENS[i % len(TOKENS)], None, role=(i == 0), token_ids=[i] if with_ids else None)
+                tokens = beh.tokens or TOKENS
+                yield _chunk(chat, cid, tokens[i % len(tokens)], None, role=(i == 0), token_ids=[i] if with_ids else None)
                 await asyncio.sleep(beh.chunk_delay_s)
-            yield _chunk(chat, cid, None if chat else "", "length")
+            yield _chunk(chat, cid, None if chat else "", beh.finish_reason)
             if include_usage:
                 yield sse_event({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                                  "created": 0, "model": MODEL, "choices": [], "usage": _usage(n)})
@@ -206,7 +229,7 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
         if role == "ctx":
             assert dp.get("request_type") == "context_only" and body["stream"] is False
             await asyncio.sleep(beh.ctx_delay_s)
-            answer, result = _ctx_answer(rec, chat, body)
+            answer, result = _ctx_answer(beh, rec, chat, body)
             settle(body, result)
             return answer
         assert dp.get("request_type") == "generation_only" and (dp.get("ctx_request_id") or dp.get("ctx_url"))
@@ -224,7 +247,7 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
         if body.get("stream"):
             return _gen_stream(beh, rec, chat, body)
         n = _max_tokens(body, chat)
-        return JSONResponse(_answer(chat, text_of(n), "length", n, None))
+        return JSONResponse(_answer(chat, text_of(n, beh.tokens), beh.finish_reason, n, None))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

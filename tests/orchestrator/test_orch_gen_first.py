@@ -32,7 +32,8 @@ def test_gen_request_names_the_ctx_server_and_waits_for_its_lease(make_cluster, 
     ctx_dp, dp = ctx_body["disaggregated_params"], gen_body["disaggregated_params"]
     assert ctx_dp["request_type"] == "context_only" and ctx_body["stream"] is False
     assert dp == {"request_type": "generation_only", "disagg_request_id": ctx_dp["disagg_request_id"],
-                  "ctx_url": c.ctx[0].server.url}  # nothing of the ctx answer: it did not exist yet
+                  "ctx_url": c.ctx[0].server.url,  # nothing of the ctx answer: it did not exist yet
+                  **({"stream_token_ids": True} if stream else {})}  # a stream keeps its ids (migration)
     assert c.gen[0].record.sources == list(c.ctx[0].record.leases)  # the wait returned the parked lease
     assert c.ctx[0].record.releases == []
 
@@ -65,3 +66,43 @@ def test_wait_timeout_is_a_504_not_retried(make_cluster):
     assert err["type"] == "timeout" and "ctx wait: timeout" in err["message"]
     assert [len(n.record.bodies) for n in c.gen] == [1, 0]  # not handed to another gen server
     wait_for(lambda: len(c.ctx[0].record.releases) == 1)  # and the lease the late ctx answer named is released
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the one sample line starting with ``name`` (labels included) in /metrics."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_stream_is_counted_once_and_times_its_kv_handoff_from_the_ctx_answer(make_cluster):
+    """The gen stream's POST leaves with the ctx request, so its first byte waited for the whole
+    prefill (0.4 s): the KV-transfer histogram times the handoff from the ctx answer instead."""
+    c = make_cluster(schedule_style="generation_first", behaviors={"ctx": [{"ctx_delay_s": 0.4}]})
+    for stream in (True, False):
+        r = httpx.post(c.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
+        assert r.status_code == 200, r.text
+    text = httpx.get(c.url + "/metrics", timeout=5).text
+    assert metric(text, 'pdserve_orchestrator_routed_requests_total{path="disaggregated",pool="gen"}') == 2
+    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_count") == 1  # the stream only
+    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_sum") < 0.4   # without the 0.4 s prefill
+    assert metric(text, "pdserve_orchestrator_ctx_phase_seconds_sum") >= 0.8    # both waited for it
+
+
+@pytest.mark.parametrize("path,body,chat", ENDPOINTS)
+def test_a_stream_gets_the_ctx_token_at_once_not_after_the_gen_servers_pull(make_cluster, path, body, chat):
+    """The gen server is slow to its first byte (0.6 s: a long KV pull); the client's first chunk,
+    the ctx server's token, comes long before it, and the rest follows once, in order."""
+    c = make_cluster(schedule_style="generation_first", behaviors={"gen": [{"answer_delay_s": 0.6}]})
+    t_first, raw = None, b""
+    with httpx.stream("POST", c.url + path, json={**body, "stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        for piece in r.iter_bytes():
+            if t_first is None and b"data: {" in piece:
+                t_first = time.monotonic()
+            raw += piece
+    events = parse_sse(raw)
+    (t_gen,) = c.gen[0].record.answered_at  # when the gen server began its answer (after 0.6 s)
+    assert t_first is not None and t_first < t_gen
+    assert stream_text(events, chat) == text_of(5) and events[-1] == "[DONE]"
+    assert len({e["id"] for e in events if isinstance(e, dict)}) == 1  # one stream, one id
+    assert "token_ids" not in raw.decode()                              # the extension field is stripped

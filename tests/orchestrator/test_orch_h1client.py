@@ -159,3 +159,55 @@ def test_cancelled_request_closes_its_connection():
             await client.aclose()
 
     run(main())
+
+
+def test_start_writes_at_once_and_the_answer_waits_in_the_buffer():
+    """start(): the request reaches the server before anyone waits for the answer (no task); the
+    answer, several HTTP chunks that came in one read, is read later, in one piece."""
+    arrived = asyncio.Event()
+
+    async def answer(script, reader, writer) -> None:
+        await read_request(reader)
+        arrived.set()
+        writer.write(CHUNKED)
+        await reader.read()
+
+    async def main() -> None:
+        async with Script(answer) as url:
+            client = H1Client(1.0)
+            pending = await client.start(url, "/v1/completions", b"{}")
+            await asyncio.wait_for(arrived.wait(), 2.0)  # written, though nothing awaits the answer
+            await asyncio.sleep(0.05)                     # the whole answer is in the buffer now
+            assert not pending.failed()
+            resp = await pending.response()
+            assert resp.status == 200 and await resp.next_chunk() == b"data: 1\n\ndata: 2"
+            assert await resp.next_chunk() is None
+            resp.close()
+            await client.aclose()
+
+    run(main())
+
+
+def test_a_pending_post_says_when_it_failed_and_closing_it_closes_the_connection():
+    async def fail_then_hold(script, reader, writer) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\n\r\n{}")
+        if await reader.read() == b"":
+            script.closed_by_client.set()
+
+    async def main() -> None:
+        script = Script(fail_then_hold)
+        async with script as url:
+            client = H1Client(1.0)
+            pending = await client.start(url, "/", b"{}")
+            for _ in range(100):
+                if pending.failed():
+                    break
+                await asyncio.sleep(0.01)
+            assert pending.failed()
+            pending.close()
+            pending.close()  # idempotent
+            await asyncio.wait_for(script.closed_by_client.wait(), 2.0)
+            await client.aclose()
+
+    run(main())

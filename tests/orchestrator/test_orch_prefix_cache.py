@@ -1,4 +1,6 @@
 """The orchestrator's prefix-cache admin route and its hashes (fake servers)."""
+import time
+
 import httpx
 
 AUTH = {"Authorization": "Bearer s3cret"}
@@ -28,6 +30,26 @@ def test_reset_prefix_cache_names_a_failed_server(make_cluster, monkeypatch):
     servers = r.json()["servers"]
     assert servers[c.topology.server_url("ctx", 0)] == {"freed_blocks": 3}
     assert "503" in servers[c.topology.server_url("gen", 0)]["error"]
+
+
+def test_reset_prefix_cache_names_the_servers_it_skipped(make_cluster, monkeypatch):
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", "s3cret")
+    c = make_cluster(n_ctx=2, n_gen=1)
+    c.ctx[1].behavior.health_status = 503
+    down = c.topology.server_url("ctx", 1)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = {s["url"]: s["state"] for s in httpx.get(c.url + "/cluster/status", timeout=5).json()
+                  ["pools"]["ctx"]["servers"]}
+        if states[down] != "ready":
+            break
+        time.sleep(0.02)
+    r = httpx.post(c.url + "/reset_prefix_cache", headers=AUTH, timeout=10)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["skipped"] == {down: states[down]} and states[down] != "ready"
+    assert set(body["servers"]) == {c.topology.server_url("ctx", 0), c.topology.server_url("gen", 0)}
+    assert not c.ctx[1].record.prefix_resets and c.ctx[0].record.prefix_resets
 
 
 def test_auto_dtype_hashes_with_the_dtype_the_servers_report():

@@ -110,3 +110,26 @@ def test_event_splitter_joins_events_cut_anywhere():
         assert not s.pending
     s = EventSplitter()
     assert s.feed(b'data: {"a"') == [] and s.pending
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("logprobs", [None, {"content": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
+                                                           "top_logprobs": []}], "refusal": None}])
+def test_the_first_chunk_is_what_the_pydantic_model_dumps(chat, logprobs):
+    from pdserve.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChunk,
+                                  CompletionChunkChoice)
+
+    p = Progress.for_body({"prompt": "x"}, chat)
+    answer = ctx_answer("Hi", chat)
+    answer["choices"][0]["logprobs"] = logprobs if chat else None
+    text = p.take_ctx_answer(answer)
+    head = {"id": "cmpl-ctx", "created": 5, "model": "m"}
+    if chat:
+        expected = ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=text),
+                                                                        logprobs=p.first_logprobs)])
+    else:
+        expected = CompletionChunk(**head, choices=[CompletionChunkChoice(text=text, logprobs=p.first_logprobs)])
+    from orchestrator import jsonio
+
+    assert jsonio.dumps(p.first_chunk(text)) == jsonio.dumps(expected.model_dump(mode="json"))  # key order too
+    assert p.first_chunk(text) is not p.first_chunk(text)  # a fresh dict each time (the template is shared)

@@ -33,3 +33,19 @@ def test_more_cached_tokens_than_prompt_tokens_is_refused(cached):
 def test_more_blocks_than_the_prompt_fills_is_refused():
     with pytest.raises(ValidationError, match="kv_block_count 3"):
         DisaggregatedParams.model_validate(params(kv_block_count=3))
+
+
+def test_a_moved_request_may_name_blocks_past_the_prompt():
+    """kv_num_tokens (a request moved off a draining gen server): the lease holds prompt + outputs
+    but the last, so its block count and hashes are bounded by those tokens, not the prompt's."""
+    moved = params(first_gen_tokens=list(range(20)), kv_num_tokens=39, kv_block_count=3,
+                   kv_block_hashes=["00" * 16] * 2)
+    assert DisaggregatedParams.model_validate(moved).kv_num_tokens == 39
+    with pytest.raises(ValidationError, match="kv_block_count 4"):
+        DisaggregatedParams.model_validate({**moved, "kv_block_count": 4})
+
+
+@pytest.mark.parametrize("kv", [19, 40])  # below the prompt; past prompt + first_gen_tokens - 1
+def test_kv_num_tokens_outside_the_moved_tokens_is_refused(kv):
+    with pytest.raises(ValidationError, match="kv_num_tokens"):
+        DisaggregatedParams.model_validate(params(first_gen_tokens=list(range(20)), kv_num_tokens=kv))

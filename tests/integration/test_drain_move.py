@@ -1,0 +1,174 @@
+"""Drain by moving KV through the orchestrator (tiny random Llama, 1 ctx + 2 gen servers in this
+process on real sockets, KV over TCP): a gen server told ``POST /admin/drain {"mode": "move_kv"}``
+hands its running streams to the other gen server, which pulls their KV and decodes on.
+
+Checked: the client's stream / JSON answer equals an undisturbed run token for token (greedy, so
+text and usage too); no recompute (the two gen servers together compute exactly the tokens one
+undisturbed gen server computes, and the target pulls exactly the bytes the drained server sent);
+a server with several running streams is empty within seconds; every KV pool is full afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.threaded_cluster import MODEL, ThreadedCluster, env_vars
+
+TOKEN = "drain-test-token"
+MAX_TOKENS = 100       # ~5 s of decode at the injected step delay: the drain lands mid-stream; 6 fit the KV cache
+STEP_DELAY_S = "0.05"
+GENS = ("gen", "gen1")
+SESSION = {"X-Session-Id": "drain-test"}  # session affinity: every request of the test on one gen server
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with env_vars({"PDSERVE_TEST_STEP_DELAY_S": STEP_DELAY_S, "PDSERVE_ADMIN_TOKEN": TOKEN}):
+        c = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("drain"), num_gen=2,
+                                  orchestrator={"migration_limit": 2, "session_affinity": "header",
+                                                "kv_aware_balance_threshold": 100})
+        try:
+            yield c
+        finally:
+            c.stop()
+
+
+def body(path: str, stream: bool, n: int = MAX_TOKENS) -> dict:
+    b = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if stream:
+        b["stream_options"] = {"include_usage": True}
+    if "chat" in path:
+        return {**b, "messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
+    return {**b, "prompt": "Once upon a time, by the sea, there lived"}
+
+
+def ask(url: str, path: str, b: dict) -> tuple[str, dict]:
+    """(text, usage) of one request, stream or not (usage: prompt and completion tokens; the cached
+    tokens depend on what the ctx server's prefix cache held)."""
+    if not b["stream"]:
+        r = httpx.post(url + path, json=b, timeout=120, headers=SESSION)
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        choice = doc["choices"][0]
+        return (choice["message"]["content"] if "chat" in path else choice["text"]), tokens_of(doc["usage"])
+    text, usage = "", None
+    with httpx.stream("POST", url + path, json=b, timeout=120, headers=SESSION) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event and "moved" not in event, event
+            for choice in event.get("choices", []):
+                text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            usage = event.get("usage") or usage
+    assert usage is not None, "no usage chunk"
+    return text, tokens_of(usage)
+
+
+def tokens_of(usage: dict) -> dict:
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def info(cluster, name: str) -> dict:
+    return httpx.get(cluster.server_url(name) + "/server_info", timeout=10).json()
+
+
+def busy_gen(cluster, timeout_s: float = 30.0) -> str:
+    """The gen server with a request decoding (polls its stats)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in GENS:
+            if info(cluster, name).get("scheduled_requests", 0) > 0:
+                return name
+        time.sleep(0.05)
+    raise AssertionError("no gen server started decoding")
+
+
+def drain_move(cluster, name: str) -> dict:
+    r = httpx.post(cluster.server_url(name) + "/admin/drain", json={"mode": "move_kv"},
+                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_empty(cluster, name: str, timeout_s: float) -> float:
+    """Seconds until ``name`` holds no request, no parked KV and all its blocks are free."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        s = info(cluster, name)
+        if (s["scheduled_requests"] == s["waiting_requests"] == s["parked_requests"] == s["moved_leases"] == 0
+                and s["free_blocks"] == s["total_blocks"]):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"{name} still busy after {timeout_s} s: {info(cluster, name)}")
+
+
+def totals(cluster) -> dict:
+    out = {}
+    for name in GENS:
+        s = info(cluster, name)
+        out[name] = (s["tokens_computed"], s["kv_transfer"]["received"]["bytes"], s["kv_moved_sent"]["bytes"])
+    return out
+
+
+CASES = (("/v1/completions", True), ("/v1/chat/completions", True), ("/v1/completions", False))
+
+
+def test_drain_moves_every_stream_without_recompute_in_seconds(cluster):
+    cases = list(CASES) * 2  # 6 requests: streams and a non-stream one (streamed internally)
+    expected = run_all(cluster, cases[:3])
+    assert all(usage["completion_tokens"] == MAX_TOKENS for _, usage in expected)
+    before = totals(cluster)
+    results: dict = {}
+    workers = run_all(cluster, cases, results, wait=False)
+    name = busy_gen(cluster)
+    deadline = time.monotonic() + 30
+    while info(cluster, name)["scheduled_requests"] < len(cases):
+        assert time.monotonic() < deadline, f"not all {len(cases)} requests decode on {name}: {info(cluster, name)}"
+        time.sleep(0.05)
+    time.sleep(0.3)  # a few tokens decoded there
+    assert drain_move(cluster, name)["mode"] == "move_kv"
+    t0 = time.monotonic()
+    drained_s = wait_empty(cluster, name, 10.0)
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers)
+    streams_s = time.monotonic() - t0
+    # One stream each, equal to the undisturbed run: same text, same usage, nothing repeated or missing.
+    assert [results[i] for i in range(len(cases))] == expected * 2
+    after = totals(cluster)
+    target = next(g for g in GENS if g != name)
+    moved = info(cluster, name)["requests_moved"]
+    assert moved == len(cases), f"{moved} of {len(cases)} requests moved"
+    moved_bytes = after[name][2] - before[name][2]
+    assert moved_bytes > 0 and after[target][1] - before[target][1] == moved_bytes  # pulled = parked
+    # Undisturbed, a gen phase computes MAX_TOKENS - 1 tokens (the ctx server sampled the first);
+    # moved, the two gen servers together compute exactly as many: no token is computed twice.
+    computed = sum(after[g][0] - before[g][0] for g in GENS)
+    assert computed == len(cases) * (MAX_TOKENS - 1)
+    # Empty long before its streams would have finished there: they went on decoding elsewhere.
+    assert drained_s < 3.0 and streams_s > drained_s + 1.0, (drained_s, streams_s)
+    wait_empty(cluster, target, 10.0)
+
+
+def run_all(cluster, cases, results: dict | None = None, wait: bool = True):
+    """Run ``cases`` concurrently (same session); with ``wait`` their answers in order, else the threads."""
+    results = {} if results is None else results
+
+    def one(i, path, stream):
+        results[i] = ask(cluster.url, path, body(path, stream))
+
+    workers = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s) in enumerate(cases)]
+    for w in workers:
+        w.start()
+    if not wait:
+        return workers
+    for w in workers:
+        w.join(120)
+    return [results[i] for i in range(len(cases))]
