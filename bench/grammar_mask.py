@@ -57,8 +57,8 @@ def ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def one_time(hf, vocab: int, eos: list[int]) -> dict:
-    c = GrammarCompiler(hf, vocab, eos)
+def one_time(tok, vocab: int, eos: list[int]) -> dict:
+    c = GrammarCompiler(tok, vocab, eos)
     t0 = time.perf_counter()
     _ = c.tokenizer
     out = {"tokenizer_ms": ms(t0)}
@@ -133,8 +133,8 @@ def main() -> None:
     engine = LLMEngine(EngineSettings(dtype=args.dtype, device="cpu", num_kv_blocks=512, num_threads=args.threads),
                        args.model)
     tok, vocab = engine.tokenizer, engine.model_config.vocab_size
-    results: dict = {"vocab": vocab, "one_time": one_time(tok.hf, vocab, tok.eos_token_ids)}
-    compiler = GrammarCompiler(tok.hf, vocab, tok.eos_token_ids)
+    results: dict = {"vocab": vocab, "one_time": one_time(tok, vocab, tok.eos_token_ids)}
+    compiler = GrammarCompiler(tok, vocab, tok.eos_token_ids)
     for name, (spec, text) in CASES.items():
         tokens = tok.encode(text)
         for batch in (1, 8):

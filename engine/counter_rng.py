@@ -54,6 +54,11 @@ def stream_keys(seeds: torch.Tensor, choices: torch.Tensor, positions: torch.Ten
     return mix64((key ^ positions) + GAMMA)
 
 
+# (2**24 - 1 + 0.5) / 2**24 rounds to 1.0 in float32, whose Gumbel noise is +inf: that token would win
+# whatever its logit (and a -inf logit + inf is NaN, which argmax also picks). The largest float32 below 1:
+U_MAX = 1.0 - 2.0 ** -24
+
+
 def uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1) for each row's stream at the given token ids.
 
@@ -62,7 +67,7 @@ def uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """
     bits = mix64(keys[:, None] + (token_ids + 1) * GAMMA)
     top = _shr(bits, 64 - UNIFORM_BITS)
-    return (top.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+    return ((top.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))).clamp_(max=U_MAX)
 
 
 def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -82,7 +87,7 @@ def _gumbel_(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
             z.mul_(mul)
     torch.bitwise_right_shift(z, 64 - UNIFORM_BITS, out=tmp)
     u = tmp.bitwise_and_((1 << UNIFORM_BITS) - 1).to(torch.float32)
-    return u.add_(0.5).mul_(1.0 / (1 << UNIFORM_BITS)).log_().neg_().log_().neg_()
+    return u.add_(0.5).mul_(1.0 / (1 << UNIFORM_BITS)).clamp_(max=U_MAX).log_().neg_().log_().neg_()
 
 
 SLAB_ELEMENTS = 1 << 18  # 2 MiB of int64 scratch: the hash's ~15 passes stay in cache

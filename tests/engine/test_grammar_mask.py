@@ -106,3 +106,24 @@ def test_a_row_the_processors_left_without_any_allowed_token_takes_its_fallback(
     g = grammar_rows([compiler.matcher(CHOICE, tok.encode("yes"))], 49152, torch.device("cpu"))
     out = apply_grammar(processed, g, raw)
     assert int(out[0].argmax()) in tok.eos_token_ids
+
+
+def test_noise_is_finite_where_the_24_bit_uniform_rounds_to_one():
+    """(2**24 - 0.5) / 2**24 is 1.0 in float32: its Gumbel noise was +inf, so that token won whatever
+    its logit, and a masked (-inf) token gave NaN, which argmax picks. Seed 43, output position 3
+    (the SmolLM2 acceptance run's first invalid JSON) hits it inside the 49,152-token vocabulary."""
+    from engine.counter_rng import _gumbel_, gumbel, stream_keys
+
+    keys = stream_keys(torch.tensor([43]), torch.tensor([0]), torch.tensor([3]))
+    for noise in (gumbel(keys, torch.arange(49152)), _gumbel_(keys.clone(), torch.arange(49152))):
+        assert torch.isfinite(noise).all()
+    logits = torch.zeros(1, 49152)
+    allowed = torch.zeros(1, 49152, dtype=torch.bool)
+    allowed[0, :28] = True
+    from engine.grammar_mask import GrammarRows
+    from engine.sampler import Sampler
+    from engine.sampling_params import SamplingParams
+
+    pick = Sampler([2]).sample_ids(logits, [SamplingParams(temperature=1.0, seed=43)], [3], [0], None,
+                                   GrammarRows([0], allowed))
+    assert int(pick) < 28
