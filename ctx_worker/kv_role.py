@@ -48,6 +48,7 @@ class CtxKVRole(WorkerRole):
         self.settings, self.layout, self.host, self.port = settings, layout, host, port
         self.pull_delay_s = pull_delay_s
         self._pending: dict[str, tuple[str | None, list[int], str | None]] = {}  # id -> (disagg id, prompt, salt)
+        self._first: dict[str, dict[int, list[int]]] = {}  # n > 1: id -> choice index -> its first token
         self._sent = TransferStats()
         self.leases: LeaseTable | None = None
         self.servers: list[KVServer] = []  # one per TP rank's shard, all on one lease table
@@ -96,10 +97,13 @@ class CtxKVRole(WorkerRole):
             self._pending[request.request_id] = (did, list(request.prompt_token_ids), request.cache_salt)
 
     def on_output(self, out: RequestOutput) -> None:
-        if not out.finished:
+        if not out.finished:  # n > 1: an earlier choice of the request (engine.choices)
+            self._first.setdefault(out.request_id, {})[out.index] = list(out.new_token_ids)
             return
+        firsts = {**self._first.pop(out.request_id, {}), out.index: list(out.new_token_ids)}
         disagg_id, prompt, salt = self._pending.pop(out.request_id, (None, [], None))
-        if out.finish_reason is not None or out.parked_block_ids is None:
+        # parked iff the request goes on: n > 1 parks when any choice does, whatever this one's finish_reason
+        if out.parked_block_ids is None:
             self._settle_unparked(out, disagg_id)
             return
         if not out.parked_block_ids:
@@ -111,7 +115,7 @@ class CtxKVRole(WorkerRole):
         self.leases.park(out.request_id, out.parked_block_ids, num_tokens, lease_s)
         params = DisaggregatedParams(
             request_type="context_only", disagg_request_id=disagg_id, ctx_request_id=out.request_id,
-            first_gen_tokens=list(out.new_token_ids), prompt_token_ids=prompt, kv_endpoint=self.endpoint, kv_layout=self.layout,
+            first_gen_tokens=[t for i in sorted(firsts) for t in firsts[i]], prompt_token_ids=prompt, kv_endpoint=self.endpoint, kv_layout=self.layout,
             kv_endpoints=[s.endpoint for s in self.servers], kv_layouts=self.shard_layouts,
             kv_block_count=blocks_for_tokens(num_tokens, self.layout.block_size),
             lease_deadline=time.time() + lease_s, cached_tokens=out.num_cached_tokens,

@@ -146,6 +146,18 @@ class BlockManager:
             self._ref[b] += 1
         return list(block_ids)
 
+    def fork(self, block_ids: Sequence[int]) -> list[int]:
+        """Add a reference to each referenced block (cached or not): a forked sequence (n > 1,
+        engine.choices) shares its parent's full blocks read-only; returns them (NULL_BLOCK kept).
+        Raises ValueError on a block nobody references (nothing is changed then)."""
+        real = [b for b in block_ids if b != NULL_BLOCK]
+        for b in real:
+            if self._ref[b] == 0:
+                raise ValueError(f"KV block {b} is not allocated")
+        for b in real:
+            self._ref[b] += 1
+        return list(block_ids)
+
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int],
                     parent_hash: bytes | None = None) -> bool:
         """Offer a referenced, fully computed block to the cache under ``block_hash``

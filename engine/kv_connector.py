@@ -74,7 +74,9 @@ class KVConnector:
         kv_tokens = seq.kv_source_tokens()
         hit = self._reusable_prefix(seq, kv_tokens)
         # generation_first (first_tokens_later): room for one first token, not yet sampled by the ctx server
-        need = self.bm.blocks_needed(seq.num_tokens + max(len(seq.first_token_ids), 1)) - len(hit)
+        # n > 1: first_token_ids holds one token per choice; each choice forks after the pull
+        first = 1 if seq.n > 1 else max(len(seq.first_token_ids), 1)
+        need = self.bm.blocks_needed(seq.num_tokens + first) - len(hit)
         if not self.bm.can_allocate(need, sharing=hit):
             return None
         seq.block_ids = self.bm.share(hit) + self.bm.allocate(need)
@@ -100,11 +102,11 @@ class KVConnector:
 
     # ---- parking (ctx) --------------------------------------------------------------------
     def request_finished(self, seq: Sequence) -> bool:
-        """seq finished: True when its blocks must outlive it (a CONTEXT_ONLY hand-off, or a request
-        moved off a draining engine: finish reason ``"moved"``; parked until :meth:`release`);
-        False: the scheduler frees them now."""
+        """seq finished: True when its blocks must outlive it (a CONTEXT_ONLY hand-off: one that goes
+        on, or whose other choices do, ``seq.keep_blocks``; or a request moved off a draining engine:
+        finish reason ``"moved"``; parked until :meth:`release`); False: the scheduler frees them now."""
         self.loading.pop(seq.request_id, None)
-        hand_off = seq.phase is Phase.CONTEXT_ONLY and seq.finish_reason is None
+        hand_off = seq.phase is Phase.CONTEXT_ONLY and (seq.finish_reason is None or seq.keep_blocks)
         if not hand_off and seq.finish_reason != MOVED:
             return False
         seq.parked = True

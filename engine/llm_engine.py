@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from engine.block_manager import BlockManager
+from engine.choices import Families, fork
 from engine.config import check_engine_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
@@ -24,7 +25,7 @@ from engine.output_processor import OutputProcessor
 from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import SeqStatus, Sequence
 from engine.structured_output import GrammarCompiler, GrammarError
 from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
@@ -108,9 +109,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         # structured output: the grammar library's view of the vocabulary is built on first use, once
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.tokenizer.eos_token_ids)
-        self._to_emit: dict[str, Sequence] = {}
+        self._to_emit: dict[tuple[str, int], Sequence] = {}  # (request id, choice index) -> sequence
+        self.prefill_tokens = 0  # prompt tokens computed (not cached, not pulled); a recompute counts again
         self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
         self.requests_moved_out = 0
+        self.families = Families()  # n > 1 requests after their fork (engine.choices)
+        self._pending_copies: list[tuple[int, int]] = []  # fork block copies the TP followers still owe
         self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:
             barrier(self.tp)
@@ -131,8 +135,11 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
-        included), ``total_blocks``, :meth:`memory_stats`, :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
+        included), ``total_blocks``, ``prefill_tokens`` (prompt tokens this engine computed: neither
+        cached nor pulled; a recompute after preemption counts again), :meth:`memory_stats`,
+        :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
+                "prefill_tokens": self.prefill_tokens,
                 "tokens_computed": self.tokens_computed, "requests_moved_out": self.requests_moved_out,
                 **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
 
@@ -163,8 +170,7 @@ class LLMEngine:
 
         A request without a seed gets a random 63-bit one here: sampling is always keyed by
         (seed, choice, position), see engine.sampler."""
-        if req.request_id in self._to_emit or self.scheduler.find(req.request_id) is not None \
-                or any(s.request_id == req.request_id for s in self._grammar_wait):
+        if self._in_use(req.request_id):
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         validate_request(req, self.max_model_len, self.model_config.vocab_size)
         if req.phase is not Phase.CONTEXT_AND_GENERATION and self.scheduler.connector is None:
@@ -211,8 +217,13 @@ class LLMEngine:
         self._grammar_wait.clear()
         return True
 
+    def _in_use(self, request_id: str) -> bool:
+        return (request_id in self.families or self.scheduler.find(request_id) is not None
+                or any(rid == request_id for rid, _ in self._to_emit)
+                or any(s.request_id == request_id for s in self._grammar_wait))
+
     def abort_request(self, request_id: str) -> None:
-        """Free the request's blocks; the next step() reports it finished with "abort"."""
+        """Free the request's blocks (every choice's); the next step() reports it finished with "abort"."""
         if self.scheduler.release_parked(request_id):
             return
         waiting = [s for s in self._grammar_wait if s.request_id == request_id]
@@ -220,10 +231,13 @@ class LLMEngine:
             self._grammar_wait.remove(waiting[0])
             self._finish(waiting[0], "abort")
             return
-        seq = self.scheduler.find(request_id)
-        if seq is None:
-            return
-        self._finish(seq, "abort")
+        family = self.families.members(request_id)
+        if family is None:
+            seq = self.scheduler.find(request_id)
+            family = [seq] if seq is not None else []
+        for member in family:
+            if not member.finished:
+                self._finish(member, "abort")
 
     def kv_ready(self, request_id: str, ok: bool, first_token_ids: list[int] | None = None,
                  num_cached_tokens: int | None = None) -> None:
@@ -246,15 +260,19 @@ class LLMEngine:
             seq.num_cached_tokens = num_cached_tokens
         self.scheduler.kv_arrived(request_id)
         logprobs = seq.first_token_logprobs if seq.sampling.logprobs is not None else []
-        for i, token in enumerate(seq.first_token_ids):
-            reason = self.output_processor.add_token(seq, token, logprobs[i] if i < len(logprobs) else None)
+        picks = [(t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(seq.first_token_ids)]
+        if seq.n > 1:  # one first token per choice (the ctx server sampled them): fork now
+            self._fork(seq, picks)
+            return
+        for token, logprob in picks:
+            reason = self.output_processor.add_token(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)
                 return
         if seq.kv_num_tokens is not None:  # moved: the pull brought the first tokens' KV too, all but the last
             seq.num_computed = seq.kv_num_tokens
             self.scheduler.cache_computed(seq)
-        self._to_emit[request_id] = seq
+        self._to_emit[(request_id, seq.index)] = seq
 
     def move_out(self) -> list[str]:
         """Drain by moving KV: stop every movable request that sits at a decode step boundary (its
@@ -267,7 +285,8 @@ class LLMEngine:
             return []
         moved = []
         for seq in list(self.scheduler.running):
-            if not seq.movable or not seq.in_decode or seq.request_id in self._to_emit:
+            # n > 1 choices are never movable (engine.validation): a drain waits for them
+            if not seq.movable or not seq.in_decode or (seq.request_id, seq.index) in self._to_emit:
                 continue
             if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
                 continue
@@ -306,17 +325,22 @@ class LLMEngine:
         has_extra = extra is not None
         if batch.items:
             plan, seqs, spans = self.runner.plan(batch.items)
+            plan.copies, self._pending_copies = self._pending_copies, []
             with self._tp_unit():
                 self._broadcast(TPMessage(RUN, plan, extra, has_extra))
                 logits = self.runner.forward(plan)
             self.runner.record_prompt_logprobs(spans, logits[len(seqs):])
             sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
             for seq, k in batch.items:
+                self.prefill_tokens += max(0, min(seq.num_computed + k, seq.num_prompt_tokens) - seq.num_computed)
                 seq.num_computed += k
                 self.tokens_computed += k
                 self.scheduler.cache_computed(seq)  # before a finish frees (or parks) its blocks
-                if seq.request_id in sampled:
-                    self._apply_token(seq, *sampled[seq.request_id])
+                picks = sampled.get((seq.request_id, seq.index))
+                if picks is not None and len(picks) > 1:
+                    self._fork(seq, picks)
+                elif picks is not None:
+                    self._apply_token(seq, *picks[0])
         elif has_extra:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         outputs = self._drain_outputs()
@@ -358,6 +382,7 @@ class LLMEngine:
             if msg.has_extra and on_extra is not None:
                 on_extra(msg.extra)
             if msg.kind == RUN:
+                self.runner.copy_blocks(msg.plan.copies)  # forks' copy-on-write blocks (rank 0 copied at the fork)
                 self.runner.forward(msg.plan, compute_logits=False)
 
     def _require_driver(self) -> None:
@@ -377,9 +402,41 @@ class LLMEngine:
             raise RuntimeError("TP followers were stopped (stop_followers)")
         return self._plans
 
+    def _fork(self, seq: Sequence, picks: list) -> None:
+        """seq (n > 1) computed its prompt: split it into its choices (engine.choices) and give choice
+        i its first token picks[i] = (token, logprob). The fork copies blocks before any choice can
+        finish (and free the blocks it copies from)."""
+        ctx = seq.phase is Phase.CONTEXT_ONLY
+        family = fork(seq, self.block_manager, self._copy_block,
+                      lambda: IncrementalDetokenizer(self.tokenizer), with_blocks=not ctx)
+        self.families.add(family)
+        if ctx:
+            self._ctx_choices(family, picks)
+            return
+        for member in family[1:]:
+            self.scheduler.adopt(member)
+        for member, (token, logprob) in zip(family, picks):
+            self._apply_token(member, token, logprob)
+
+    def _ctx_choices(self, family: list[Sequence], picks: list) -> None:
+        """CONTEXT_ONLY: each choice ends with its first token; choice 0's blocks are parked if any
+        choice goes on (the gen server forks them again)."""
+        reasons = [self.output_processor.add_token(m, t, lp) for m, (t, lp) in zip(family, picks)]
+        family[0].keep_blocks = any(r is None for r in reasons)
+        for member, reason in zip(family[1:], reasons[1:]):
+            member.finish_reason, member.status = reason, SeqStatus.FINISHED  # no blocks, never scheduled
+            self._to_emit[(member.request_id, member.index)] = member
+        self._finish(family[0], reasons[0])
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """A fork's copy-on-write block: copied here now, and by each TP follower before its next step."""
+        self.runner.copy_blocks([(src, dst)])
+        if self.tp.enabled:
+            self._pending_copies.append((src, dst))
+
     def _apply_token(self, seq: Sequence, token: int, logprob=None) -> None:
         reason = self.output_processor.add_token(seq, token, logprob)
-        self._to_emit[seq.request_id] = seq
+        self._to_emit[(seq.request_id, seq.index)] = seq
         if reason is not None:
             self._finish(seq, reason)
         elif seq.phase is Phase.CONTEXT_ONLY:
@@ -388,7 +445,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self._to_emit[seq.request_id] = seq
+        self._to_emit[(seq.request_id, seq.index)] = seq
 
     def _drain_outputs(self) -> list[RequestOutput]:
         outputs = []
@@ -398,5 +455,5 @@ class LLMEngine:
             out.moved = seq.moved
             outputs.append(out)
         self._to_emit.clear()
-        return outputs
+        return self.families.settle(outputs)
 

@@ -37,6 +37,10 @@ class ExecPlan:
     items: list[PlanItem]
     sample_rows: list[int]
     prompt_rows: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies of forks (TP followers)
+
+
+Picks = dict[tuple[str, int], list[tuple[int, "TokenLogprob | None"]]]
 
 
 @dataclass
@@ -129,23 +133,45 @@ class ModelRunner:
                                   max_position=max_pos)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
-        """request_id -> sampled token of each sequence (logits: its rows, in seqs order)."""
-        return {rid: t for rid, (t, _) in self.sample_with_logprobs(seqs, logits).items()}
+        """request_id -> sampled token (choice 0's first) of each sequence (logits: its rows, in seqs order)."""
+        return {rid: picks[0][0] for (rid, index), picks in self.sample_with_logprobs(seqs, logits).items()
+                if index == 0}
 
-    def sample_with_logprobs(self, seqs: list[Sequence], logits: torch.Tensor
-                             ) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """request_id -> (sampled token, its logprob entry when sampling.logprobs is set)."""
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the KV of block src into block dst (every layer, K and V) for each (src, dst)."""
+        for src, dst in copies:
+            self.kv_cache[dst].copy_(self.kv_cache[src])
+
+    def sample_with_logprobs(self, seqs: list[Sequence], logits: torch.Tensor) -> Picks:
+        """(request_id, choice index) -> [(sampled token, its logprob entry when sampling.logprobs is
+        set)]: one pick per sequence, or n for a sequence about to fork (``n`` > 1, no output yet:
+        its one row is sampled with choice indices 0..n-1, engine.choices)."""
         if not seqs:
             return {}
+        owners, choices = [], []
+        for s in seqs:
+            m = s.n if s.n > 1 and s.num_output_tokens == 0 else 1
+            owners += [s] * m
+            choices += list(range(m)) if m > 1 else [s.index]
+        if len(owners) != len(seqs):
+            rows = [r for r, s in enumerate(seqs) for _ in range(s.n if s.n > 1 and s.num_output_tokens == 0 else 1)]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        picks: Picks = {}
+        for s, t, lp in zip(owners, *self._sample_rows(owners, choices, logits)):
+            picks.setdefault((s.request_id, s.index), []).append((t, lp))
+        return picks
+
+    def _sample_rows(self, seqs: list[Sequence], choices: list[int], logits: torch.Tensor
+                     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row (row i: seqs[i], drawing as choice choices[i]) and its logprob entry."""
         params = [s.sampling for s in seqs]
         history = None
         if any(sp.processed for sp in params):
             history = [(s.token_ids[:s.num_prompt_tokens] if s.sampling.repetition_penalty != 1.0 else [],
                         s.output_token_ids if s.sampling.processed else []) for s in seqs]
-        # choice index 0: one choice per sequence until n > 1 gives each choice its own stream
+        # n > 1: a sequence about to fork has n rows here, all under its one grammar state (no token yet)
         grammar = grammar_rows([s.grammar for s in seqs], logits.shape[-1], logits.device)
-        ids = self.sampler.sample_ids(logits, params, [s.num_output_tokens for s in seqs], [0] * len(seqs),
-                                      history, grammar)
+        ids = self.sampler.sample_ids(logits, params, [s.num_output_tokens for s in seqs], choices, history, grammar)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         if want:
@@ -154,7 +180,7 @@ class ModelRunner:
                                      [params[i].logprobs for i in want])
             for i, entry in zip(want, entries):
                 logprobs[i] = entry
-        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, ids.tolist(), logprobs)}
+        return ids.tolist(), logprobs
 
     def record_prompt_logprobs(self, spans: list[PromptSpan], logits: torch.Tensor) -> None:
         """Append each span's prompt logprobs to its sequence; logits: the prompt rows, in order."""

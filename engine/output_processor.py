@@ -75,4 +75,4 @@ class OutputProcessor:
             parked_block_ids=parked_block_ids, queue_time_s=queue_time_s,
             num_cached_tokens=seq.num_cached_tokens or 0,
             new_logprobs=logprobs if seq.sampling.logprobs is not None else None,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, index=seq.index)

@@ -8,6 +8,9 @@ from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
+MAX_CHOICES = 16  # EngineRequest.n at most (the HTTP layer refuses more with a 422)
+
+
 class Phase(str, Enum):
     """Which part of the request this engine serves (disaggregated prefill/decode)."""
 
@@ -29,6 +32,10 @@ class EngineRequest:
     first_tokens_later: GENERATION_ONLY of ``schedule_style: generation_first``: the request is
     admitted (blocks allocated) before the ctx server has sampled; first_token_ids and
     num_cached_tokens come with :meth:`engine.llm_engine.LLMEngine.kv_ready`.
+    n: choices (OpenAI's ``n``): one prefill, then n decodes forked from it (engine.choices).
+    GENERATION_ONLY with n > 1: first_token_ids (and first_token_logprobs) hold one token per
+    choice, in choice order (what the ctx server sampled for each), not consecutive tokens. An
+    n > 1 request is neither ``movable`` nor moved (``kv_num_tokens``): engine.validation refuses both.
     """
 
     request_id: str
@@ -42,6 +49,7 @@ class EngineRequest:
     first_token_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_tokens_later: bool = False
+    n: int = 1
     movable: bool = False
     kv_num_tokens: int | None = None
 
@@ -77,7 +85,12 @@ class RequestOutput:
     new_token_ids entry when sampling.logprobs is set, else None. prompt_logprobs (sampling.
     prompt_logprobs set): one per prompt token (None for the first), on the first output that
     carries output tokens, else None. moved: set on the final output of a request moved off this
-    engine (finish reason ``"moved"``, blocks parked).
+    engine (finish reason ``"moved"``, blocks parked; never an n > 1 request: those are not movable).
+
+    n > 1 (EngineRequest.n): each output belongs to one choice, ``index``; ``finish_reason`` and
+    ``num_output_tokens`` are that choice's, and ``finished`` marks the request's last output
+    (every choice finished): a choice that finishes earlier reports its ``finish_reason`` with
+    ``finished`` False. With n == 1, index is 0 and finished is the one choice's.
     """
 
     request_id: str
@@ -92,6 +105,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0
     moved: MovedKV | None = None
 
 

@@ -171,6 +171,16 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """Schedule a choice forked from a running sequence (engine.choices): running when it holds
+        its prompt's KV (``num_computed`` > 0), else first in the queue, as if preempted."""
+        if seq.num_computed:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+
     def kv_arrived(self, request_id: str) -> Sequence | None:
         """Move a loading sequence to running; its prompt KV is now in its blocks, whose full ones
         join the prefix cache (only now: a failed pull never caches anything)."""

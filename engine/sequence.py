@@ -1,6 +1,8 @@
 """Per-request state inside the engine."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 from enum import Enum, auto
 
@@ -37,6 +39,11 @@ class Sequence:
     Logprobs: pending_logprobs runs beside pending_token_ids (sampling.logprobs set);
     prompt_logprobs grows as prefill chunks run (entry i: prompt token i, None for i = 0), so a
     recompute after preemption never adds entries twice.
+
+    Choices (n > 1, engine.choices): ``index`` is this sequence's choice; ``n`` > 1 on a request's
+    sequence until its fork (then 1: the sequence goes on as choice 0, :meth:`child` makes the
+    others). ``keep_blocks``: a CONTEXT_ONLY sequence whose blocks are parked although choice 0
+    finished at its first token, because another choice goes on.
     """
 
     def __init__(self, req: EngineRequest, detokenizer: IncrementalDetokenizer,
@@ -74,6 +81,31 @@ class Sequence:
         self.movable = req.movable
         self.kv_num_tokens = req.kv_num_tokens  # GENERATION_ONLY of a moved request: tokens the pull brings
         self.grammar: GrammarMatcher | None = None  # set by the engine for a structured-output request
+        self.index = 0
+        self.n = req.n
+        self.keep_blocks = False
+
+    def child(self, index: int, detokenizer: IncrementalDetokenizer) -> "Sequence":
+        """Choice ``index`` forked from this sequence before its first output token: the same
+        prompt, computed tokens, prompt logprobs and timings; no blocks (the fork gives them), its
+        own detokenizer, hash chain and structured-output matcher (a copy of this one's state: no
+        token consumed yet). The queue time is reported by choice 0 only."""
+        if self.num_output_tokens:
+            raise ValueError(f"request {self.request_id}: a fork needs a sequence without output tokens")
+        c = copy.copy(self)
+        c.index, c.n = index, 1
+        c.token_ids, c.block_ids = list(self.token_ids), []
+        c.detokenizer = detokenizer
+        c.pending_token_ids, c.pending_logprobs = [], []
+        c.first_token_ids, c.first_token_logprobs = [], []
+        if self.prompt_logprobs is not None:
+            c.prompt_logprobs = list(self.prompt_logprobs)
+        if self.hash_chain is not None:
+            c.hash_chain = dataclasses.replace(self.hash_chain, hashes=list(self.hash_chain.hashes))
+        if self.grammar is not None:
+            c.grammar = self.grammar.fork()
+        c.queue_time_reported = True
+        return c
 
     def mark_admitted(self) -> None:
         """Record the queue time at the first admission (a preempted sequence keeps its first one)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.errors import RequestValidationError
-from engine.request import EngineRequest, Phase
+from engine.request import MAX_CHOICES, EngineRequest, Phase
 
 
 def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) -> None:
@@ -27,6 +27,7 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
     except ValueError as e:
         raise RequestValidationError(f"request {req.request_id}: {e}") from e
     first = req.first_token_ids
+    _validate_choices(req, phase, max_model_len)
     if req.kv_num_tokens is not None and (phase is not Phase.GENERATION_ONLY or req.first_tokens_later):
         raise RequestValidationError(f"request {req.request_id}: kv_num_tokens only goes with GENERATION_ONLY "
                                      "and its first tokens")
@@ -41,7 +42,7 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
         if not first:
             raise RequestValidationError(
                 f"request {req.request_id}: GENERATION_ONLY needs first_token_ids")
-        if p + len(first) > max_model_len:
+        if p + (len(first) if req.n == 1 else 1) > max_model_len:
             raise RequestValidationError(
                 f"request {req.request_id}: prompt + first tokens exceed max_model_len")
         if req.kv_num_tokens is not None and not p <= req.kv_num_tokens <= p + len(first) - 1:
@@ -51,3 +52,21 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
     elif first:
         raise RequestValidationError(
             f"request {req.request_id}: first_token_ids only go with GENERATION_ONLY")
+
+
+def _validate_choices(req: EngineRequest, phase: Phase, max_model_len: int) -> None:
+    """n in [1, MAX_CHOICES]; n > 1 is neither movable nor a moved request's pull; a GENERATION_ONLY request with n > 1 brings one first token per choice
+    (not later: generation_first does not fork)."""
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise RequestValidationError(f"request {req.request_id}: n must be in [1, {MAX_CHOICES}], got {req.n}")
+    if req.n > 1 and (req.movable or req.kv_num_tokens is not None):
+        raise RequestValidationError(f"request {req.request_id}: an n > 1 request cannot be moved (drain "
+                                     "move_kv moves n = 1 requests; the engine waits for this one)")
+    if req.n == 1 or phase is not Phase.GENERATION_ONLY:
+        return
+    if req.first_tokens_later:
+        raise RequestValidationError(f"request {req.request_id}: n > 1 cannot wait for its first tokens "
+                                     "(generation_first); send them with the request")
+    if len(req.first_token_ids or []) != req.n:
+        raise RequestValidationError(f"request {req.request_id}: n={req.n} needs one first token per choice, "
+                                     f"got {len(req.first_token_ids or [])}")

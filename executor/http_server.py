@@ -30,8 +30,8 @@ from executor.disconnect import unless_client_leaves
 from executor.engine_client import EngineClient, EngineDeadError, EngineNotServingError, EngineState
 from executor.metrics import ServerMetrics
 from executor.openai_adapter import (
-    Accumulated,
     BadRequest,
+    Choices,
     ChunkEncoder,
     check_length,
     engine_request,
@@ -270,6 +270,8 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     if disagg is not None and disagg.movable and not body.stream:
         raise ApiError(400, "only a streamed request can be movable (its stream ends with the moved event)",
                        param="disaggregated_params")
+    if disagg is not None and disagg.movable and body.n > 1:
+        raise ApiError(400, "an n > 1 request cannot be movable (a drain waits for it)", param="n")
     try:
         if rtype == "generation_only" and not disagg.awaits_ctx:
             prompt = list(disagg.prompt_token_ids)  # generation_first: tokenized here, checked against the ctx's
@@ -283,11 +285,13 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     except BadRequest as err:
         raise map_error(err) from None
     rid = f"{'ctx' if rtype == 'context_only' else 'req'}-{uuid.uuid4().hex}"
-    ereq = engine_request(rid, prompt, params, disagg, body.cache_salt)
+    ereq = engine_request(rid, prompt, params, disagg, body.cache_salt, body.n)
     answer = PhaseAnswer()
     shape = response_shape(body, prompt, state.client.tokenizer)
     if chat and not (disagg and disagg.raw_output):  # else the caller parses the text it assembles
-        shape.parser = output_parser(tools, cfg.model.tool_call_parser, cfg.model.reasoning_parser)
+        parsers = {i: output_parser(tools, cfg.model.tool_call_parser, cfg.model.reasoning_parser)
+                   for i in range(body.n)}  # one per choice: each holds its own parse state
+        shape.parsers = {i: p for i, p in parsers.items() if p is not None}
     run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer), shape)
     first = await run.first_unless_disconnected(request)
     if first is None:
@@ -310,7 +314,7 @@ class _Run:
         self.created = now_s()
         self.t_submit = time.perf_counter()
         self.t_last: float | None = None
-        self.acc = Accumulated()
+        self.choices = Choices()  # n > 1: one running total per choice index
 
     async def next(self) -> RequestOutput | None:
         """The next output, None at the end. Errors are mapped to :class:`ApiError`."""
@@ -342,13 +346,13 @@ class _Run:
             else:
                 m.tpot.labels(request_type=self.rtype).observe((now - self.t_last) / len(out.new_token_ids))
             self.t_last = now
-        self.acc.add(out)
+        self.choices.add(out)
         if out.finished:
             m.e2e.labels(request_type=self.rtype).observe(now - self.t_submit)
             m.requests.labels(request_type=self.rtype, outcome=out.finish_reason or "handed_off").inc()
             if out.finish_reason != "moved":  # a moved request's tokens are counted by its target
                 m.prompt_tokens.inc(out.num_prompt_tokens)
-                m.generation_tokens.inc(out.num_output_tokens)
+                m.generation_tokens.inc(sum(a.num_output_tokens for a in self.choices.ordered()))
 
     async def first_unless_disconnected(self, request: Request) -> RequestOutput | None:
         """The first output, or None (request aborted) if the client left before it came — on a ctx
@@ -389,13 +393,19 @@ class _Run:
             await self.outputs.aclose()
         params = answer.disaggregated_params
         if params is not None and self.shape.logprobs is not None:  # the gen server reports them
+            accs = self.choices.ordered()  # n > 1: one first token (and its logprobs) per choice, in order
+            prompt_lp = accs[0].prompt_logprobs
             params = params.model_copy(update={
-                "first_gen_logprobs": to_wire(self.acc.logprobs),
-                "prompt_logprobs": None if self.acc.prompt_logprobs is None else to_wire(self.acc.prompt_logprobs)})
-        body = full_response(self.chat, self.id, self.created, self.model, self.acc, params, self.shape)
+                "first_gen_logprobs": to_wire([lp for a in accs for lp in a.logprobs]),
+                "prompt_logprobs": None if prompt_lp is None else to_wire(prompt_lp)})
+        body = full_response(self.chat, self.id, self.created, self.model, self.choices, params, self.shape)
         data = body.model_dump(mode="json")
         if answer.disaggregated_params is None:  # the extension field appears only on ctx answers
-            data["choices"][0].pop("disaggregated_params", None)
+            for choice in data["choices"]:
+                choice.pop("disaggregated_params", None)
+        else:
+            for choice in data["choices"][1:]:
+                choice.pop("disaggregated_params", None)
         return JSONResponse(data)
 
     async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False,
@@ -408,32 +418,33 @@ class _Run:
         ``{"moved": disaggregated_params}`` (``answer.moved``: its lease here, token ids so far) and
         ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it)."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
-        shape, offset = self.shape, 0
+        shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
         try:
-            out, is_first = first, True
+            out = first
             while out is not None:
-                if out.finished and out.finish_reason == "moved":
+                if out.finished and out.finish_reason == "moved":  # n = 1 only (n > 1 is never movable)
                     yield self._moved_event(answer)
                     yield SSE_DONE
                     return
+                is_first = out.index not in offsets
                 parsed = self._parsed(out)
-                if ((parsed if parsed is not None else out.new_text) or out.finished or is_first
-                        or (token_ids and out.new_token_ids) or (shape.logprobs is not None and out.new_logprobs)):
+                if ((parsed if parsed is not None else out.new_text) or out.finished or out.finish_reason is not None
+                        or is_first or (token_ids and out.new_token_ids)
+                        or (shape.logprobs is not None and out.new_logprobs)):
                     text = (shape.echo or "") + out.new_text if is_first else out.new_text
-                    lp, offset = self._chunk_logprobs(out, is_first, offset)
-                    usage = self.acc.usage() if shape.continuous_usage else None
-                    finish = out.finish_reason if out.finished else None
+                    lp, offsets[out.index] = self._chunk_logprobs(out, is_first, offsets.get(out.index, 0))
+                    usage = self.choices.usage() if shape.continuous_usage else None
+                    finish = out.finish_reason  # n > 1: this choice's, also before the request's last output
                     if parsed is not None and finish is not None:
-                        finish = shape.parser.finish_reason(finish)
+                        finish = shape.parser_of(out.index).finish_reason(finish)
                     yield enc.event(text, finish, role=is_first, logprobs=lp, usage=usage,
-                                    token_ids=list(out.new_token_ids) if token_ids else None,
+                                    token_ids=list(out.new_token_ids) if token_ids else None, index=out.index,
                                     delta=None if parsed is None else parsed.to_openai())
-                    is_first = False
                 if out.finished:
                     break
                 out = await self.next()
             if include_usage:
-                yield enc.usage_event(self.acc.usage())
+                yield enc.usage_event(self.choices.usage())
         except ApiError as err:
             yield sse_event(error_body(err.message, err.type, err.status))
         finally:
@@ -445,13 +456,15 @@ class _Run:
         if answer is None or answer.moved is None:  # the role failed the stream instead (never both)
             return sse_event(error_body("the request was moved without its KV parameters", "internal_error", 500))
         return sse_event({"moved": answer.moved.model_dump(mode="json", exclude_none=True)})
+
     def _parsed(self, out: RequestOutput) -> ParsedDelta | None:
-        """The output's text read by the answer's parser (flushed at the last output); None without one."""
-        parser = self.shape.parser
+        """The output's text read by its choice's parser (flushed at the choice's last output); None
+        without one."""
+        parser = self.shape.parser_of(out.index)
         if parser is None or not self.chat:
             return None
         parsed = parser.feed(out.new_text)
-        return parsed + parser.finish() if out.finished else parsed
+        return parsed + parser.finish() if out.finished or out.finish_reason is not None else parsed
 
     def _chunk_logprobs(self, out: RequestOutput, is_first: bool, offset: int) -> tuple[dict | None, int]:
         """The logprobs object of one streamed chunk and the completions text offset after it."""
@@ -460,4 +473,5 @@ class _Run:
         entries = out.new_logprobs or []
         if self.chat:
             return chat_logprobs(entries, self.shape.namer), offset
-        return completion_logprobs_of(self.shape, self.acc.prompt_logprobs if is_first else None, entries, offset)
+        prompt_lp = self.choices.by_index[out.index].prompt_logprobs if is_first else None
+        return completion_logprobs_of(self.shape, prompt_lp, entries, offset)

@@ -63,6 +63,9 @@ class RoleStatsCollector:
                               "Prompt KV blocks a partial pull did not copy: this gen server's prefix cache held them"),
         "leases_expired": ("pdserve_kv_leases_expired", "Parked KV leases freed by their timer"),
         "leases_released": ("pdserve_kv_leases_released", "Parked KV leases released after a pull or a cancel"),
+        "prefill_tokens": ("pdserve_prefill_tokens",
+                           "Prompt tokens this server computed (neither from the prefix cache nor pulled); "
+                           "a recompute after preemption counts again"),
         "prefix_cache_queries": ("pdserve_prefix_cache_queries",
                                  "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)"),
         "prefix_cache_hits": ("pdserve_prefix_cache_hits",

@@ -164,13 +164,16 @@ PHASES = {
 
 
 def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
-                   disagg: DisaggregatedParams | None, cache_salt: str | None = None) -> EngineRequest:
+                   disagg: DisaggregatedParams | None, cache_salt: str | None = None, n: int = 1) -> EngineRequest:
     """Build the engine request for a body's phase (colocated when ``disagg`` is None).
 
     ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``) and
     names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector);
     a moved request's pull covers ``disagg.kv_num_tokens`` tokens. ``disagg.movable``: the request
-    may be moved off this server when it drains with ``move_kv``."""
+    may be moved off this server when it drains with ``move_kv`` (n = 1 only: the engine refuses an
+    n > 1 one). ``n`` choices: a ``generation_only`` request's ``first_gen_tokens`` /
+    ``first_gen_logprobs`` then hold one entry per choice, in choice order (the ctx server's answer,
+    engine.choices)."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
     gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
     later = gen_only and disagg.awaits_ctx  # generation_first: first tokens and cache hit come with the KV
@@ -182,7 +185,7 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
                          phase=phase, first_token_ids=first, cache_salt=cache_salt, num_cached_tokens=cached,
                          first_token_logprobs=first_lp, prompt_logprobs=prompt_lp,
-                         source_block_hashes=hashes, first_tokens_later=later,
+                         source_block_hashes=hashes, first_tokens_later=later, n=n,
                          movable=bool(disagg and disagg.movable),
                          kv_num_tokens=disagg.kv_num_tokens if gen_only and not later else None)
 
@@ -192,14 +195,19 @@ class Shape:
     """What a response adds besides text: ``logprobs`` (top-k per token, None = none), completions
     ``echo`` (the prompt text to prefix, with ``prompt_ids`` for its logprobs), ``namer`` (token
     text), ``continuous_usage`` (usage on every streamed chunk, vLLM's ``continuous_usage_stats``),
-    ``parser`` (chat: the answer's text → reasoning_content / content / tool_calls; None: as is)."""
+    ``parsers`` (chat: choice index → the parser of that choice's text → reasoning_content / content
+    / tool_calls, one per choice since each holds its own parse state; absent: as is)."""
 
     logprobs: int | None = None
     echo: str | None = None
     prompt_ids: list[int] | None = None
     namer: TokenNamer | None = None
     continuous_usage: bool = False
-    parser: OutputParser | None = None  # chat: reasoning / tool calls read out of the text (pdserve.output_parser)
+    parsers: dict[int, OutputParser] = field(default_factory=dict)  # pdserve.output_parser
+
+    def parser_of(self, index: int) -> OutputParser | None:
+        """Choice ``index``'s output parser (None: its text goes to the client as is)."""
+        return self.parsers.get(index)
 
 
 def response_shape(body: ChatCompletionRequest | CompletionRequest, prompt: list[int], tokenizer) -> Shape:
@@ -241,22 +249,51 @@ class Accumulated:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
 
 
-def full_response(chat: bool, rid: str, created: int, model: str, acc: Accumulated,
+class Choices:
+    """Every choice's :class:`Accumulated` of one request (``n`` > 1: one per ``RequestOutput.index``)."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, Accumulated] = {}
+
+    def add(self, out: RequestOutput) -> Accumulated:
+        """Add ``out`` to its choice's total; returns that total."""
+        acc = self.by_index.setdefault(out.index, Accumulated())
+        acc.add(out)
+        return acc
+
+    def ordered(self) -> list[Accumulated]:
+        return [self.by_index[i] for i in sorted(self.by_index)] or [Accumulated()]
+
+    def usage(self) -> Usage:
+        """OpenAI's usage of n choices: the prompt once, completion tokens summed over the choices."""
+        accs = self.ordered()
+        prompt, done = accs[0].num_prompt_tokens, sum(a.num_output_tokens for a in accs)
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=accs[0].num_cached_tokens))
+
+
+def full_response(chat: bool, rid: str, created: int, model: str, choices: Choices,
                   disagg: DisaggregatedParams | None, shape: Shape | None = None
                   ) -> ChatCompletionResponse | CompletionResponse:
+    """The non-stream answer: one choice per index (``disagg``, the ctx answer's params, on choice 0)."""
     shape = shape or Shape()
-    text = "".join(acc.text)
-    if chat:
-        lp = chat_logprobs(acc.logprobs, shape.namer) if shape.logprobs is not None else None
-        message, finish = ChatResponseMessage(content=text), acc.finish_reason
-        if shape.parser is not None and acc.finish_reason is not None:  # a ctx answer not final stays raw
-            message, finish = parsed_message(shape.parser, text), shape.parser.finish_reason(acc.finish_reason)
-        choice = ChatChoice(message=message, finish_reason=finish, disaggregated_params=disagg, logprobs=lp)
-        return ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
-    lp, _ = completion_logprobs_of(shape, acc.prompt_logprobs, acc.logprobs, 0)
-    choice = CompletionChoice(text=(shape.echo or "") + text, finish_reason=acc.finish_reason,
-                              disaggregated_params=disagg, logprobs=lp)
-    return CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=acc.usage())
+    out = []
+    for i, acc in sorted(choices.by_index.items()) or [(0, Accumulated())]:
+        text, params = "".join(acc.text), disagg if not out else None
+        if chat:
+            lp = chat_logprobs(acc.logprobs, shape.namer) if shape.logprobs is not None else None
+            message, finish = ChatResponseMessage(content=text), acc.finish_reason
+            parser = shape.parser_of(i)
+            if parser is not None and acc.finish_reason is not None:  # a ctx answer not final stays raw
+                message, finish = parsed_message(parser, text), parser.finish_reason(acc.finish_reason)
+            out.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                  disaggregated_params=params, logprobs=lp))
+        else:
+            lp, _ = completion_logprobs_of(shape, acc.prompt_logprobs, acc.logprobs, 0)
+            out.append(CompletionChoice(index=i, text=(shape.echo or "") + text, finish_reason=acc.finish_reason,
+                                        disaggregated_params=params, logprobs=lp))
+    cls = ChatCompletionResponse if chat else CompletionResponse
+    return cls(id=rid, created=created, model=model, choices=out, usage=choices.usage())
 
 
 def parsed_message(parser: OutputParser, text: str) -> ChatResponseMessage:
@@ -315,9 +352,9 @@ class ChunkEncoder:
 
     def event(self, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: dict | None = None, usage: Usage | None = None,
-              token_ids: list[int] | None = None, delta: dict | None = None) -> bytes:
+              token_ids: list[int] | None = None, index: int = 0, delta: dict | None = None) -> bytes:
         """One content chunk (``role`` marks the first chat chunk with ``"assistant"``; ``logprobs``:
-        the choice's logprobs object; ``usage``: continuous usage stats).
+        the choice's logprobs object; ``usage``: continuous usage stats; ``index``: the choice, n > 1).
 
         ``token_ids`` (when not None) adds the extension field ``"token_ids"`` to the choice: the
         output token ids this chunk's text came from (``disaggregated_params.stream_token_ids``).
@@ -328,12 +365,12 @@ class ChunkEncoder:
         ids = "" if token_ids is None else f'"token_ids":{_dumps(token_ids)},'
         end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":{lp}}}],"usage":{use}}}\n\n'
         if self.chat and delta is not None:
-            choice = f'{{"index":0,"delta":{_dumps({"role": "assistant" if role else None, **delta})},'
+            choice = f'{{"index":{int(index)},"delta":{_dumps({"role": "assistant" if role else None, **delta})},'
         elif self.chat:
             role_json = '"assistant"' if role else "null"
-            choice = f'{{"index":0,"delta":{{"role":{role_json},"content":{_dumps(text)}}},'
+            choice = f'{{"index":{int(index)},"delta":{{"role":{role_json},"content":{_dumps(text)}}},'
         else:
-            choice = f'{{"index":0,"text":{_dumps(text or "")},'
+            choice = f'{{"index":{int(index)},"text":{_dumps(text or "")},'
         return (self._head + choice + end).encode()
 
     def usage_event(self, usage: Usage) -> bytes:

@@ -38,6 +38,7 @@ from pdserve.output_parser import OutputParser, ReasoningParserName, ToolCallPar
 from pdserve.tool_use import NO_TOOLS, ToolUse
 
 from . import jsonio
+from .choices import ChoicesProgress, all_finished, num_choices
 from .ctx_answer import parse_ctx_answer
 from .errors import OrchestratorError
 from .h1client import H1Client
@@ -168,7 +169,9 @@ class DisaggFlow:
                                     kind="gen_failed", type_="service_unavailable")
         if ex.body.get("seed") is None:  # one seed for every server the request meets
             ex.body = {**ex.body, "seed": secrets.randbits(63)}
-        ex.parses = self.output_parser(ex) is not None
+        # n > 1: each choice's text is parsed by the gen server that streams it (no raw_output asked;
+        # the relay forwards its n-choice stream as written, orchestrator.choices)
+        ex.parses = num_choices(ex.body) == 1 and self.output_parser(ex) is not None
         hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
@@ -193,7 +196,7 @@ class DisaggFlow:
                                                       set(failed_ctx))
         self._metrics.ctx_phase.observe(time.monotonic() - t0)
         self._metrics.routed.labels(pool="ctx", path="disaggregated").inc()
-        if answer["choices"][0].get("finish_reason") is not None:
+        if all_finished(answer):
             return self._final_from_ctx(ex, answer)
         return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx)
 
@@ -205,7 +208,9 @@ class DisaggFlow:
         Raises KVSourceFailed, OrchestratorError, UpstreamRejected."""
         params = answer["choices"][0]["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
-        if ex.stream or self._settings.migration_limit:
+        if ex.stream and num_choices(ex.body) > 1:
+            return self._relayed_choices(ex, hint, params, lease, failed_ctx, exclude, failures)
+        if num_choices(ex.body) == 1 and (ex.stream or self._settings.migration_limit):
             return await self._relayed(ex, hint, answer, lease, failed_ctx, exclude, failures)
         gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
             **params, "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id}})
@@ -229,7 +234,9 @@ class DisaggFlow:
         ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
         self._metrics.routed.labels(pool="gen", path="colocated").inc()
-        if ex.stream or self._settings.migration_limit:
+        if ex.stream and num_choices(ex.body) > 1:
+            return self._relayed_choices(ex, hint, None, None, set())
+        if num_choices(ex.body) == 1 and (ex.stream or self._settings.migration_limit):
             return await self._relayed(ex, hint, None, None, set())
         body = jsonio.dumps(ex.body)
         _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, body), hint)
@@ -272,6 +279,19 @@ class DisaggFlow:
         if ex.colocated and relay.migrations == 0 and phase.first_stream is not None:
             self._check_hits("gen", ex, phase.first_stream.predicted, answer)  # its hit is its own
         return self._json_response(ex, answer)
+
+    def _relayed_choices(self, ex: Exchange, hint: RouteHint | None, params: dict | None, lease: Lease | None,
+                         failed_ctx: set[str], exclude: set[str] | None = None,
+                         failures: list[str] | None = None) -> StreamAnswer:
+        """A streaming n > 1 request's gen phase: the gen stream relayed as written, never migrated
+        (:mod:`orchestrator.choices`); ``params``/``lease``: the ctx answer's (None colocated)."""
+        progress = ChoicesProgress(chat=ex.chat, n=num_choices(ex.body))
+        include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
+        source = GenPhase(self, ex, hint, progress, lease, params, failed_ctx,  # type: ignore[arg-type]
+                          token_ids=False, want_usage=include_usage, exclude_gen=exclude, failures=failures)
+        relay = GenRelay(progress, source, 0, self._metrics, ex.endpoint,  # type: ignore[arg-type]
+                         ex.started_s + self._settings.request_timeout_s, include_usage)
+        return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
@@ -334,7 +354,7 @@ class DisaggFlow:
             answer = parse_ctx_answer(raw)
         except ValueError:
             raise AttemptFailed("ctx answer is not JSON") from None
-        check_ctx_answer(answer)
+        check_ctx_answer(answer, num_choices(ex.body))
         self._check_hits("ctx", ex, predicted, answer)
         return answer
 
@@ -389,13 +409,15 @@ class DisaggFlow:
         self._metrics.child(self._metrics.e2e, ex.endpoint).observe(elapsed)
 
 
-def check_ctx_answer(answer: dict) -> None:
-    """Raise AttemptFailed unless ``answer`` is a usable ctx answer (final, or with ctx params)."""
+def check_ctx_answer(answer: dict, n: int = 1) -> None:
+    """Raise AttemptFailed unless ``answer`` is a usable ctx answer (final, or with ctx params on
+    choice 0): ``n`` choices, indexes 0..n-1 in order."""
     choices = answer.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise AttemptFailed("ctx answer does not hold exactly one choice")
+    if (not isinstance(choices, list) or len(choices) != n or not all(isinstance(c, dict) for c in choices)
+            or [c.get("index", 0) for c in choices] != list(range(n))):
+        raise AttemptFailed(f"ctx answer does not hold exactly {n} choice(s), indexes 0..{n - 1}")
     choice = choices[0]
-    if choice.get("finish_reason") is not None:
+    if all_finished(answer):
         return
     params = choice.get("disaggregated_params")
     if not isinstance(params, dict) or not params.get("ctx_request_id"):

@@ -34,6 +34,7 @@ import logging
 import time
 
 from . import jsonio
+from .choices import num_choices
 from .disagg import KV_SOURCE_FAILED, DisaggFlow, Exchange, KVSourceFailed, Lease, Response
 from .errors import OrchestratorError
 from .pools import Server
@@ -171,6 +172,8 @@ class GenerationFirstFlow(DisaggFlow):
     """:class:`DisaggFlow` whose disaggregated path sends the ctx and the gen request at once."""
 
     async def _disaggregated(self, ex: Exchange, hint: RouteHint | None, failed_ctx: set[str]) -> Response:
+        if num_choices(ex.body) > 1:  # the gen side forks n choices from first tokens it must have: context_first
+            return await super()._disaggregated(ex, hint, failed_ctx)
         t0 = time.monotonic()
         ctx_server, (answer, gen) = await self._with_retries("ctx", lambda s: self._both(ex, s, hint), hint,
                                                              set(failed_ctx))

@@ -20,27 +20,28 @@ from pdserve.protocol import (
 
 
 def answer_to_events(answer: dict, chat: bool, include_usage: bool, continuous_usage: bool = False) -> list[bytes]:
-    """Convert a final non-stream answer (one choice) to SSE events ending with ``[DONE]``; the
-    choice's ``logprobs`` ride on its content chunk, ``continuous_usage`` puts usage on every chunk."""
-    choice = answer["choices"][0]
+    """Convert a final non-stream answer (one choice or ``n``) to SSE events ending with ``[DONE]``:
+    each choice's chunks carry its ``index`` and its ``logprobs`` ride on its content chunk;
+    ``continuous_usage`` puts usage on every chunk."""
     head = {"id": answer.get("id", ""), "created": int(answer.get("created", 0)), "model": answer.get("model", "")}
     full = Usage.model_validate(answer["usage"]) if answer.get("usage") else None
-    usage = full if include_usage else None
     each = full if continuous_usage else None
-    finish, logprobs = choice.get("finish_reason"), choice.get("logprobs")
-    if chat:
-        chunks = [
-            ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(
-                delta=_whole_delta(choice.get("message") or {}), logprobs=logprobs)]),
-            ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason=finish)]),
-        ]
-        if usage is not None:
-            chunks.append(ChatCompletionChunk(**head, choices=[], usage=usage))
-    else:
-        chunks = [CompletionChunk(**head, usage=each, choices=[CompletionChunkChoice(
-            text=choice.get("text") or "", finish_reason=finish, logprobs=logprobs)])]
-        if usage is not None:
-            chunks.append(CompletionChunk(**head, choices=[], usage=usage))
+    chunks: list[ChatCompletionChunk | CompletionChunk] = []
+    for i, choice in enumerate(answer["choices"]):
+        index, finish, logprobs = choice.get("index", i), choice.get("finish_reason"), choice.get("logprobs")
+        if chat:
+            chunks += [
+                ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(
+                    index=index, delta=_whole_delta(choice.get("message") or {}), logprobs=logprobs)]),
+                ChatCompletionChunk(**head, usage=each, choices=[ChatChunkChoice(
+                    index=index, delta=ChatDelta(), finish_reason=finish)]),
+            ]
+        else:
+            chunks.append(CompletionChunk(**head, usage=each, choices=[CompletionChunkChoice(
+                index=index, text=choice.get("text") or "", finish_reason=finish, logprobs=logprobs)]))
+    if include_usage and full is not None:
+        cls = ChatCompletionChunk if chat else CompletionChunk
+        chunks.append(cls(**head, choices=[], usage=full))
     return [sse_event(c) for c in chunks] + [SSE_DONE]
 
 

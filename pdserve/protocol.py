@@ -62,6 +62,9 @@ class KVLayoutModel(BaseModel):
         return self
 
 
+MAX_CHOICES = 16  # `n` at most; the engine's limit (engine.request.MAX_CHOICES) is the same
+
+
 class DisaggregatedParams(BaseModel):
     """Phase routing of one request (request side: orchestrator → server; answer side: ctx → orchestrator).
 
@@ -71,6 +74,8 @@ class DisaggregatedParams(BaseModel):
     ctx server's prefix cache held; the gen server reports them in ``usage``) and
     ``kv_block_hashes`` (the prompt's full blocks named as every prefix cache names them,
     pdserve.block_hash, hex: a gen server reuses the leading ones it holds and pulls only the rest).
+    With ``n`` > 1, ``first_gen_tokens`` and ``first_gen_logprobs`` hold one entry per choice, in
+    choice order (what the ctx server sampled for each choice), and the gen server forks the n choices.
     The orchestrator forwards them to the gen server with ``request_type = "generation_only"``. A migrated stream's
     gen request carries every output token generated so far in ``first_gen_tokens`` (the gen server
     counts them as output: detokenized, stop-checked and in ``usage``, and decodes on from there).
@@ -201,7 +206,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[TokenIdLax] | None = None
     stream: StrictBool = False  # strict: "false" must not pass for a boolean (it would be truthy elsewhere)
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one prefill, n decodes (at most 16)")
     ignore_eos: StrictBool = False
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -269,7 +269,7 @@ def non_object(g: Gen):
 def out_of_range(g: Gen):
     path, body = g.base()
     key, value = g.pick([("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1),
-                         ("max_tokens", 0), ("max_tokens", -1), ("n", 2), ("n", 0), ("top_k", -2),
+                         ("max_tokens", 0), ("max_tokens", -1), ("n", 17), ("n", 0), ("top_k", -2),
                          ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("stop", [""]), ("stop", [f"s{i}" for i in range(17)]),
                          ("stop", ""), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("min_p", 1.5),
                          ("repetition_penalty", 0), ("top_logprobs", 21), ("stop_token_ids", [-1]), ("seed", 2**63)])

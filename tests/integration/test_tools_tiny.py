@@ -279,3 +279,61 @@ def test_with_migration_off_the_gen_server_parses_its_json_answer(no_migration, 
             "calls": [("get_weather", '{"city": "Paris"}')]}
     for stream in (False, True):
         assert answer(no_migration, stream, tools=[WEATHER], extra_body=BIAS) == want, stream
+
+
+def answers_n(client, stream: bool, n: int, **kw) -> list[dict]:
+    """:func:`answer` for each of ``n`` choices (index order), rebuilt per index when streaming."""
+    kw = {"model": MODEL, "messages": HISTORY[:1], "max_tokens": 40, "temperature": 0, "n": n, **kw}
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        assert [c.index for c in r.choices] == list(range(n))
+        return [{"content": c.message.content, "reasoning": getattr(c.message, "reasoning_content", None),
+                 "calls": [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []],
+                 "finish": c.finish_reason} for c in r.choices]
+    parts = {i: {"content": [], "reasoning": [], "calls": {}, "finish": None} for i in range(n)}
+    for ch in client.chat.completions.create(**kw, stream=True):
+        for choice in ch.choices:
+            p, d = parts[choice.index], choice.delta
+            p["content"].append(d.content or "")
+            p["reasoning"].append(getattr(d, "reasoning_content", None) or "")
+            for tc in d.tool_calls or []:
+                if tc.id is not None:
+                    p["calls"][tc.index] = [tc.function.name, ""]
+                p["calls"][tc.index][1] += tc.function.arguments or ""
+            p["finish"] = choice.finish_reason or p["finish"]
+    return [{"content": "".join(p["content"]) or None, "reasoning": "".join(p["reasoning"]) or None,
+             "calls": [tuple(p["calls"][i]) for i in sorted(p["calls"])], "finish": p["finish"]}
+            for p in parts.values()]
+
+
+def test_n_choices_each_parse_their_own_call_and_reasoning(clients, script):
+    """One parser per choice: the choices' interleaved texts never meet in one parse state."""
+    script(THINK_TEXT)
+    want = {"content": "Paris.", "reasoning": "Paris is in France.", "calls": [], "finish": "stop"}
+    for name in ("disagg", "colocated"):
+        for stream in (False, True):
+            assert answers_n(clients[name], stream, 3, extra_body=BIAS) == [want] * 3, (name, stream)
+    script(CALL_TEXT)
+    want = {"content": "Checking.", "reasoning": None, "finish": "tool_calls",
+            "calls": [("get_weather", '{"city": "Paris"}')]}
+    for name in ("disagg", "colocated"):
+        for stream in (False, True):
+            assert answers_n(clients[name], stream, 2, tools=[WEATHER], extra_body=BIAS) == [want] * 2, (name, stream)
+
+
+def test_n_choices_of_a_named_call_each_follow_the_grammar(clients):
+    """tool_choice named -> a json_schema grammar: every sampled choice has its own matcher."""
+    import jsonschema
+
+    kw = dict(tools=[SHORT_WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              temperature=1.0, seed=7, max_tokens=60)
+    want = answers_n(clients["colocated"], False, 3, **kw)
+    for got in want:
+        assert got["finish"] == "tool_calls" and got["content"] is None, got
+        (name, arguments), = got["calls"]
+        assert name == "get_weather"
+        jsonschema.validate(json.loads(arguments), SHORT_WEATHER["function"]["parameters"])
+    assert len({g["calls"][0][1] for g in want}) > 1  # the choices differ
+    for client in ("disagg", "colocated"):
+        for stream in (False, True):
+            assert answers_n(clients[client], stream, 3, **kw) == want, (client, stream)
