@@ -278,7 +278,8 @@ def out_of_range(g: Gen):
 
 def unknown_field(g: Gen):
     path, body = g.base()
-    key = g.pick(["bogus", "tools", "functions", "response_format", "prompt" if path == CHAT else "messages",
+    # genuinely unknown keys only: `tools` and `response_format` are request fields now (issue 15)
+    key = g.pick(["bogus", "toolz", "functions", "response_formats", "prompt" if path == CHAT else "messages",
                   "best_of_n", "Temperature", " model", ""])
     return path, dumps({**body, key: g.pick(WRONG_TYPES[1:])}), REJECT, f"unknown {key!r}"
 

@@ -31,8 +31,13 @@ MESSAGES = [{"role": "user", "content": "Describe a club member as JSON: name, a
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     engine = {"engine": {"max_batch_size": N}}
+    # One process serves every server here (threads, one GIL): a 100-row step with grammar masks can
+    # hold a server's health answer for a second or more under load, so the orchestrator's polls get
+    # 10 s of grace before they drop a server (real servers are processes of their own).
     c = ThreadedCluster.start(Path("smollm2"), tmp_path_factory.mktemp("smol-so"), pools={"ctx": engine, "gen": engine},
-                              timeout_s=300)
+                              orchestrator={"health_interval_s": 0.5, "health_failure_threshold": 20}, timeout_s=300)
+    for url in (c.url, c.server_url("gen")):  # the grammar library's vocabulary view is built once per engine
+        ask(url, 0)
     yield c
     c.stop()
 
