@@ -75,4 +75,4 @@ def test_errors_surface_as_openai_exceptions(client):
     with pytest.raises(NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     with pytest.raises(UnprocessableEntityError, match="n: "):
-        client.completions.create(model=TINY_NAME, prompt="x", n=2)
+        client.completions.create(model=TINY_NAME, prompt="x", n=17)  # n > 16 (n = 2 works: issue 15)
