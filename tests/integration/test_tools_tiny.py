@@ -23,6 +23,7 @@ import torch
 import engine.sampler
 from engine.tokenizer import Tokenizer
 from tests.integration.threaded_cluster import MODEL, ThreadedCluster
+from tests.chat_stream import rebuild_chat_stream
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
 Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>
@@ -138,19 +139,8 @@ def answer(client, stream: bool, **kw) -> dict:
         assert all(c.id.startswith("call_") for c in m.tool_calls or [])
         return {"content": m.content, "reasoning": getattr(m, "reasoning_content", None), "calls": calls,
                 "finish": r.choices[0].finish_reason}
-    content, reasoning, calls, finish = [], [], {}, None
-    for ch in client.chat.completions.create(**kw, stream=True):
-        for choice in ch.choices:
-            d = choice.delta
-            content.append(d.content or "")
-            reasoning.append(getattr(d, "reasoning_content", None) or "")
-            for tc in d.tool_calls or []:
-                if tc.id is not None:
-                    calls[tc.index] = [tc.function.name, ""]
-                calls[tc.index][1] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return {"content": "".join(content) or None, "reasoning": "".join(reasoning) or None,
-            "calls": [tuple(calls[i]) for i in sorted(calls)], "finish": finish}
+    got = rebuild_chat_stream(client.chat.completions.create(**kw, stream=True))
+    return {**got, "calls": [(c["name"], c["arguments"]) for c in got["calls"]]}
 
 
 def rendered(url: str, body: dict) -> str:

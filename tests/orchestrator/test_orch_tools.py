@@ -11,6 +11,7 @@ import pytest
 
 from orch_fakes import MODEL
 from orchestrator.sse import answer_to_events
+from tests.chat_stream import rebuild_chat_stream
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -40,20 +41,7 @@ def ask(client, tokens=CALL_TOKENS, **kw):
 
 def rebuilt(chunks) -> dict:
     """The message an OpenAI client builds from a stream's deltas (calls joined by index)."""
-    content, reasoning, calls, finish = [], [], {}, None
-    for ch in chunks:
-        for choice in ch.choices:
-            d = choice.delta
-            content.append(d.content or "")
-            reasoning.append(getattr(d, "reasoning_content", None) or "")
-            for tc in d.tool_calls or []:
-                if tc.id is not None:
-                    assert tc.index not in calls
-                    calls[tc.index] = {"name": tc.function.name, "arguments": ""}
-                calls[tc.index]["arguments"] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return {"content": "".join(content) or None, "reasoning": "".join(reasoning) or None,
-            "calls": [calls[i] for i in sorted(calls)], "finish": finish}
+    return rebuild_chat_stream(chunks)
 
 
 def whole(r) -> dict:
