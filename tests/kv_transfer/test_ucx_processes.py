@@ -26,6 +26,11 @@ def serve_one_lease(to_parent, from_parent) -> None:
     side.leases.park("r", SRC_IDS, 16, ttl_s=30)
     to_parent.put(side.server.endpoint)
     from_parent.get(timeout=30)
+    # The client's "done" (release: true) is one-way: the pull returns before this side has
+    # handled it, so wait (bounded) for the release rather than reading the list at once.
+    deadline = time.monotonic() + 10
+    while not side.freed and time.monotonic() < deadline:
+        time.sleep(0.01)
     to_parent.put(list(side.freed))
     side.stop()
 
