@@ -338,12 +338,13 @@ class LLMEngine:
         if batch.items:
             plan, seqs, spans = self.runner.plan(batch.items)
             plan.copies, self._pending_copies = self._pending_copies, []
-            inputs = self.runner.inputs(plan)
             clock.lap("plan")
+            inputs_s = self.runner.inputs_s
             with self._tp_unit():
                 self._broadcast(TPMessage(RUN, plan, extra, has_extra))
-                logits = self.runner.run(inputs)
+                logits = self.runner.forward(plan)
             clock.lap("forward")
+            clock.move("forward", "plan", self.runner.inputs_s - inputs_s)  # its input tensors: plan work
             self.runner.record_prompt_logprobs(spans, logits[len(seqs):])
             sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
             clock.lap("sample")

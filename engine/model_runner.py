@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = torch.device(device)
+        self.inputs_s = 0.0  # cumulative seconds forward() spent in inputs()
 
     def execute(self, items: list[tuple[Sequence, int]]) -> dict[str, int]:
         """Compute KV for the new tokens; return request_id -> sampled token for every sequence
@@ -150,8 +152,12 @@ class ModelRunner:
 
     def forward(self, plan: ExecPlan, compute_logits: bool = True) -> torch.Tensor | None:
         """Run the model on plan (writes the KV); float32 logits [len(sample_rows) +
-        len(prompt_rows), vocab]: the sample rows first."""
-        return self.run(self.inputs(plan), compute_logits)
+        len(prompt_rows), vocab]: the sample rows first. Adds the seconds spent building the
+        inputs (:meth:`inputs`) to ``inputs_s`` (the engine's step clock charges them to the plan)."""
+        t0 = time.perf_counter()
+        inputs = self.inputs(plan)
+        self.inputs_s += time.perf_counter() - t0
+        return self.run(inputs, compute_logits)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
         """request_id -> sampled token (choice 0's first) of each sequence (logits: its rows, in seqs order)."""

@@ -55,6 +55,12 @@ class StageClock:
         self._current[self._index[stage]] += now - self._mark
         self._mark = now
 
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Recharge ``seconds`` of this iteration from stage ``src`` to ``dst`` (a callee timed a
+        part of ``src`` that belongs to ``dst``). Raises KeyError for an unknown stage."""
+        self._current[self._index[src]] -= seconds
+        self._current[self._index[dst]] += seconds
+
     def commit(self, kind: str) -> None:
         """Add this iteration's laps to ``kind``'s totals. Raises KeyError for an unknown kind."""
         totals = self.seconds[kind]

@@ -85,3 +85,26 @@ def test_metrics_export_the_clocks_by_kind_and_stage():
     assert samples[("pdserve_engine_loop_stage_seconds_total", (("kind", "idle"), ("stage", "wait")))] == 0.7
     assert not any(name == "pdserve_engine_steps_total" and labels == (("kind", "prefill"),)
                    for name, labels in samples)
+
+
+def test_move_recharges_part_of_a_stage_to_another():
+    clock = StageClock(("a", "b"), ("x",))
+    clock.start()
+    time.sleep(0.02)
+    clock.lap("b")
+    clock.move("b", "a", 0.015)
+    clock.commit("x")
+    snap = clock.snapshot("p")
+    assert snap["p_x_a_s"] == pytest.approx(0.015)
+    assert 0.004 < snap["p_x_b_s"] < 0.5
+
+
+def test_the_plan_stage_holds_the_input_tensors(tiny_engine):
+    before_inputs, before = tiny_engine.runner.inputs_s, tiny_engine.stats()
+    tiny_engine.add_request(EngineRequest("clock-2", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+    while tiny_engine.has_work():
+        tiny_engine.step()
+    built = tiny_engine.runner.inputs_s - before_inputs
+    after = tiny_engine.stats()
+    plan = sum(after[f"step_{k}_plan_s"] - before.get(f"step_{k}_plan_s", 0.0) for k in ("prefill", "decode"))
+    assert 0 < built <= plan + 1e-6  # the runner's input tensors are charged to the plan, not the forward
