@@ -194,13 +194,16 @@ def exchange(sock: socket.socket, msg: dict, deadline: float) -> dict:
 def poll_readable(sock: socket.socket, budget_s: float) -> bool:
     """Poll ``sock`` without blocking (``poll`` with a 0 timeout, GIL released in each call) for up
     to ``budget_s`` seconds; True once it is readable (data or EOF), False when the budget ran out.
-    Reading is left to the caller, which then blocks as usual."""
+    Between polls the thread yields its CPU (``sched_yield``), so a peer thread that shares this
+    CPU, e.g. the one about to send the awaited frame, runs first. Reading is left to the caller,
+    which then blocks as usual."""
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     end = time.perf_counter() + budget_s
     while not poller.poll(0):
         if time.perf_counter() >= end:
             return False
+        os.sched_yield()
     return True
 
 
