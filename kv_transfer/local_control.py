@@ -177,7 +177,9 @@ def exchange(sock: socket.socket, msg: dict, deadline: float) -> dict:
 
     Raises:
         TimeoutError: the deadline passed.
-        OSError / KVTransferError: the connection failed or the answer is malformed.
+        ConnectionError: the ctx side closed the connection before answering (its process died,
+            or its connection thread ended) or sent a malformed frame.
+        OSError: the connection failed otherwise.
     """
     left = deadline - time.monotonic()
     if left <= 0:
@@ -189,6 +191,8 @@ def exchange(sock: socket.socket, msg: dict, deadline: float) -> dict:
         return recv_msg(sock)
     except socket.timeout:
         raise TimeoutError("no answer from the ctx side before the deadline") from None
+    except KVTransferError as err:  # EOF or a bad frame: an OSError, so the caller names the pull
+        raise ConnectionError(f"no answer from the ctx side: {err}") from None
 
 
 def poll_readable(sock: socket.socket, budget_s: float) -> bool:
