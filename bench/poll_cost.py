@@ -8,8 +8,12 @@ batch (main thread) and 4 pull threads sharing one UCX client (1 MiB pulls from 
 this host, each thread sleeping ``gap`` ms between pulls); phases alternate, in rotating order:
 
 - ``none``: no pulls (the engine alone);
-- ``poll``: pulls as built (``SPIN_S`` 300 us in both processes);
-- ``block``: pulls with ``SPIN_S`` 0 in both processes (block at once: before the change).
+- ``poll``: pulls as built (``SPIN_S`` 300 us in both processes; a poll that misses its frame
+  backs off: ``kv_transfer.local_control.Poller``);
+- ``block``: pulls with ``SPIN_S`` 0 in both processes (block at once: before the poll came);
+- ``poll-nostall``: the poll as first built: no backoff (``BACKOFF_S`` 0), no early end
+  (``STALL_S`` infinite);
+- ``poll-gen`` / ``poll-ctx``: only the gen / the ctx side polls (as built).
 
 Each phase times ``--steps`` decode steps and reports, over all rounds: decode step p50/p90 (ms),
 pulls per second, pull p50 (us), and the CPU seconds per wall second of this process and of the
@@ -45,11 +49,11 @@ LAYOUT = KVLayout(model="bench", num_layers=32, num_kv_heads=8, head_dim=64, blo
 BLOCK_SHAPE = (32, 2, 16, 8, 64)  # 1 MiB in float16
 PULL_THREADS = 4  # the gen server's pull pool (gen_worker.kv_role)
 SRC_BLOCKS = 64
-SPIN_AS_BUILT = local_control.SPIN_S
+SPIN_AS_BUILT, STALL_AS_BUILT, BACKOFF_AS_BUILT = local_control.SPIN_S, local_control.STALL_S, local_control.BACKOFF_S
 
 
 def ctx_process(conn) -> None:
-    """Serve 1 MiB blocks; ``("park", rids)`` parks leases, ``("spin", s)`` sets SPIN_S, and
+    """Serve 1 MiB blocks; ``("park", rids)`` parks leases, ``("spin", s, stall, backoff)`` sets SPIN_S, STALL_S and BACKOFF_S, and
     ``("cpu",)`` answers this process's CPU seconds so far; ``("stop",)`` ends it."""
     torch.set_num_threads(1)
     cache = torch.rand(SRC_BLOCKS, *BLOCK_SHAPE).to(torch.float16)
@@ -66,7 +70,8 @@ def ctx_process(conn) -> None:
             for i, rid in enumerate(cmd[1]):
                 leases.park(rid, [i % SRC_BLOCKS], LAYOUT.block_size, ttl_s=600)
         elif cmd[0] == "spin":
-            local_control.SPIN_S = cmd[1]
+            local_control.SPIN_S, local_control.STALL_S, local_control.BACKOFF_S = cmd[1:]
+            server._local._poller = local_control.Poller()  # each phase starts without a backoff
         conn.send(time.process_time())
     server.stop()
     leases.stop()
@@ -145,8 +150,10 @@ def time_steps(engine, steps: int) -> list[float]:
 
 def run_phase(engine, kind: str, steps: int, gap_s: float, endpoint: str, ctx, stats: dict) -> None:
     """Time ``steps`` decode steps with pulls of ``kind`` running; add them to ``stats[kind]``."""
-    local_control.SPIN_S = SPIN_AS_BUILT if kind in ("poll", "poll-gen") else 0.0
-    ctx.send(("spin", SPIN_AS_BUILT if kind in ("poll", "poll-ctx") else 0.0))
+    stall, backoff = (float("inf"), 0.0) if kind == "poll-nostall" else (STALL_AS_BUILT, BACKOFF_AS_BUILT)
+    local_control.SPIN_S = SPIN_AS_BUILT if kind in ("poll", "poll-gen", "poll-nostall") else 0.0
+    local_control.STALL_S, local_control.BACKOFF_S = stall, backoff
+    ctx.send(("spin", SPIN_AS_BUILT if kind in ("poll", "poll-ctx", "poll-nostall") else 0.0, stall, backoff))
     ctx_cpu0 = ctx.recv()
     puller = Puller(endpoint, ctx, gap_s) if kind != "none" else None
     if puller:
@@ -157,11 +164,14 @@ def run_phase(engine, kind: str, steps: int, gap_s: float, endpoint: str, ctx, s
     step_times = time_steps(engine, steps)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     n_pulls = (len(puller.times) - n0) if puller else 0
+    stalls = puller.client._local.poller.misses if puller else 0
     if puller:
         puller.stop()
     ctx.send(("cpu",))
     ctx_cpu = ctx.recv() - ctx_cpu0
-    s = stats.setdefault(kind, {"steps": [], "pulls": [], "n_pulls": 0, "wall": 0.0, "cpu": 0.0, "ctx_cpu": 0.0})
+    s = stats.setdefault(kind, {"steps": [], "pulls": [], "n_pulls": 0, "wall": 0.0, "cpu": 0.0, "ctx_cpu": 0.0,
+                                "stalls": 0})
+    s["stalls"] += stalls
     s["steps"] += step_times
     s["pulls"] += puller.times if puller else []
     s["n_pulls"] += n_pulls
@@ -187,7 +197,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="the engine's torch threads")
     ap.add_argument("--pull-threads", type=int, default=PULL_THREADS)
     ap.add_argument("--phases", nargs="+", default=["none", "poll", "block"],
-                    choices=["none", "poll", "block", "poll-gen", "poll-ctx"],
+                    choices=["none", "poll", "block", "poll-nostall", "poll-gen", "poll-ctx"],
                     help="poll-gen / poll-ctx: only the gen / ctx side polls")
     args = ap.parse_args()
     PULL_THREADS = args.pull_threads
@@ -202,8 +212,9 @@ def main() -> None:
         print(f"model {args.model}, batch {args.batch}, engine threads {args.threads}, {PULL_THREADS} pull threads, "
               f"{args.steps} steps per phase, "
               f"{args.rounds} rounds; {os.cpu_count()} CPUs, load at start {load0:.2f}")
-        print("| gap ms | phase | step p50 ms | step p90 ms | pulls/s | pull p50 us | CPU s/s here | CPU s/s ctx |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| gap ms | phase | step p50 ms | step p90 ms | pulls/s | pull p50 us | CPU s/s here | CPU s/s ctx "
+              "| gen poll misses |")
+        print("|---|---|---|---|---|---|---|---|---|")
         kinds = args.phases
         for gap in args.gaps_ms:
             stats: dict = {}
@@ -215,7 +226,7 @@ def main() -> None:
                 pulls = s["pulls"]
                 print(f"| {gap:g} | {kind} | {statistics.median(s['steps']) * 1e3:.2f} | {pct(s['steps'], 0.9) * 1e3:.2f} | "
                       f"{s['n_pulls'] / s['wall']:.0f} | {statistics.median(pulls) * 1e6 if pulls else 0:.0f} | "
-                      f"{s['cpu'] / s['wall']:.2f} | {s['ctx_cpu'] / s['wall']:.2f} |")
+                      f"{s['cpu'] / s['wall']:.2f} | {s['ctx_cpu'] / s['wall']:.2f} | {s['stalls']} |")
         print(f"load at end {os.getloadavg()[0]:.2f}")
     finally:
         parent.send(("stop",))

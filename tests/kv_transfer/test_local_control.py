@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
+import kv_transfer.local_control as local_control
 from kv_transfer.factory import make_kv_client
-from kv_transfer.local_control import poll_readable
+from kv_transfer.local_control import Poller
 from kv_transfer.peer_procs import PeerProcesses
 from kv_transfer.wire import recv_msg, send_msg
 from pdserve.procfs import proc_start_time
@@ -102,19 +103,58 @@ def test_peer_processes_see_a_process_exit_and_a_wrong_start_time():
         procs.close()
 
 
-def test_poll_readable_is_bounded_and_sees_a_frame():
+def test_the_poll_is_bounded_and_sees_a_frame(monkeypatch):
     """The bounded poll before a blocking read: False once its budget is spent with nothing to read
     (and no sooner), True as soon as a frame (or EOF) is there."""
+    monkeypatch.setattr(local_control, "STALL_S", float("inf"))  # a loaded host must not end it early here
+    monkeypatch.setattr(local_control, "BACKOFF_S", 0.0)  # the spent budget must not stop the next polls
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    poller = Poller()
     try:
         t0 = time.perf_counter()
-        assert poll_readable(a, 2e-3) is False
+        assert poller.wait(a, 2e-3) is False
         assert time.perf_counter() - t0 >= 2e-3
         b.sendall(b"x")
-        assert poll_readable(a, 10.0) is True
+        assert poller.wait(a, 10.0) is True
         a.recv(1)
         b.close()
-        assert poll_readable(a, 10.0) is True  # EOF is readable: the blocking read then reports it
+        assert poller.wait(a, 10.0) is True  # EOF is readable: the blocking read then reports it
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stalled_poll_ends_at_once_and_the_poller_backs_off(monkeypatch):
+    """An iteration that took longer than STALL_S (here every one: the yield sleeps 1 ms, as a
+    thread that waits for the GIL or a CPU does) ends the poll long before its budget; during the
+    backoff ``wait`` does not poll at all (a frame already there is not seen); a miss right after
+    a backoff (here a spent budget) doubles the next one; a poll that sees its frame resets it."""
+    monkeypatch.setattr(local_control, "BACKOFF_S", 0.3)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    poller = Poller()
+
+    def stalled_wait() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(local_control.os, "sched_yield", lambda: time.sleep(1e-3))
+            t0 = time.perf_counter()
+            assert poller.wait(a, 5.0) is False
+            assert time.perf_counter() - t0 < 1.0
+
+    try:
+        stalled_wait()
+        assert (poller.misses, poller.backoff_s) == (1, 0.3)
+        b.sendall(b"x")
+        t0 = time.perf_counter()
+        assert poller.wait(a, 5.0) is False  # backing off: returns at once without looking
+        assert time.perf_counter() - t0 < 0.1
+        a.recv(1)
+        time.sleep(0.35)
+        monkeypatch.setattr(local_control, "STALL_S", float("inf"))
+        assert poller.wait(a, 2e-3) is False  # the budget spent: a miss too, twice as long
+        assert (poller.misses, poller.backoff_s) == (2, 0.6)
+        time.sleep(0.65)
+        b.sendall(b"y")
+        assert poller.wait(a, 5.0) is True and (poller.misses, poller.backoff_s) == (2, 0.0)
     finally:
         a.close()
         b.close()

@@ -177,9 +177,11 @@ def test_a_control_connection_dropped_before_the_answer_fails_the_pull_promptly(
 
 @needs_ucx
 def test_stopping_the_server_while_a_connection_thread_polls_for_done_is_prompt(monkeypatch):
-    """After answering a pull the connection thread polls for its ``done`` (here: up to 30 s, so it
-    is surely polling); stopping the server must end that poll and the thread at once."""
+    """After answering a pull the connection thread polls for its ``done`` (here: up to 30 s and
+    never ended by a stall, so it is surely polling); stopping the server must end that poll and
+    the thread at once."""
     monkeypatch.setattr(local_control, "SPIN_S", 30.0)
+    monkeypatch.setattr(local_control, "STALL_S", float("inf"))  # no early end on a loaded host
     side = CtxSide("ucx", torch.randn_like(cache()), layout())
     server = side.server
     side.leases.park("r", [1, 2], 8, ttl_s=30)
