@@ -79,6 +79,10 @@ CTRL_TAG = 0xC7A1_0000_0000_0001  # ctx workers receive requests here; gen tag b
 _SEQ_BITS = 24
 ACK = (1 << _SEQ_BITS) - 1  # offset of the release ack; segments use offsets 1 .. ACK - 1
 GRACE_S = 2.0  # a pin outlives the gen side's deadline by this much (one chunk's copy, clock skew)
+# After answering a same-host pull of at most this many bytes the connection thread polls for its
+# ``done`` (kv_transfer.local_control.SPIN_S); a larger read (~10 GB/s here) takes longer than
+# that poll, which would only burn CPU and count as a miss (a backoff of the next polls).
+POLL_DONE_BYTES = 2 << 20
 
 
 _SEAL_BYTES = 8
@@ -311,7 +315,8 @@ class UcxKVServer:
     def _on_local(self, msg: dict, reply: Callable[[dict], None]) -> bool:
         """A frame on the same-host control socket (:mod:`kv_transfer.local_control`): a same-host
         pull, answered there, or its ``done``. The pins and deadlines are those of a UCX pull.
-        Returns True when a pull was answered (its ``done`` is due next)."""
+        Returns True when a pull of at most :data:`POLL_DONE_BYTES` was answered (its ``done`` is
+        due within the connection thread's poll)."""
         received = time.monotonic()
         if msg.get("op") == "done":
             self._on_done(msg)
@@ -330,7 +335,7 @@ class UcxKVServer:
         answered = []
 
         def answer_pull(answer: dict, fast: bool = False) -> None:
-            answered.append(answer.get("ok") is True)
+            answered.append(answer.get("ok") is True and answer.get("bytes", 0) <= POLL_DONE_BYTES)
             reply({**answer, "tag": base})
         self._serve_pull(answer_pull, base, msg, deadline, hold_until)
         return any(answered)

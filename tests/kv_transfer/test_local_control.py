@@ -180,3 +180,21 @@ def test_a_pull_answer_makes_the_server_poll_for_its_done_and_a_refusal_does_not
     assert server._on_local({"op": "done", "ctx_request_id": "r", "tag": tag, "reply_to": "x", "release": True},
                             replies.append) is False
     assert ucx_side.freed == [("r", "released")]
+
+
+@needs_ucx
+def test_no_poll_for_the_done_of_a_pull_larger_than_one_poll_reads(ucx_side, monkeypatch):
+    """A read that outlasts the poll (more than POLL_DONE_BYTES) is answered without a poll after it."""
+    import kv_transfer.ucx_backend as ucx_backend  # imports ucxx
+
+    server = ucx_side.server
+    monkeypatch.setattr(ucx_backend, "POLL_DONE_BYTES", server._bytes_per_block)
+    ucx_side.leases.park("one", [1], 4, ttl_s=30)
+    ucx_side.leases.park("two", [1, 2], 8, ttl_s=30)
+    replies = []
+    pull = {"op": "pull", "tag": ucx_backend.ACK + 1, "host": server._host_id, "budget_ms": 1000,
+            "layout": server.layout.model_dump(), "reply_to": "x"}
+    assert server._on_local({**pull, "ctx_request_id": "one", "dst_runs": [[0, 1]]}, replies.append) is True
+    assert server._on_local({**pull, "ctx_request_id": "two", "dst_runs": [[0, 2]], "tag": 2 * (ucx_backend.ACK + 1)},
+                            replies.append) is False
+    assert [r["ok"] for r in replies] == [True, True]
