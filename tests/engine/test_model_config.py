@@ -179,3 +179,36 @@ def test_gemma3_options_the_engine_does_not_compute_are_refused(tmp_path, change
 def test_gemma3_multimodal_config_is_refused_naming_the_text_model(tmp_path):
     with pytest.raises(ValueError, match="gemma3_text"):
         _read(tmp_path, model_type="gemma3")
+
+
+def _gemma3_gguf(**extra):
+    from engine.model_config import model_config_from_gguf
+    g = "gemma3."
+    fields = {"general.architecture": "gemma3", g + "embedding_length": 64, g + "block_count": 6,
+              g + "feed_forward_length": 128, g + "attention.head_count": 4,
+              g + "attention.head_count_kv": 2, g + "attention.key_length": 16,
+              g + "attention.layer_norm_rms_epsilon": 1e-6, g + "attention.sliding_window": 8,
+              "tokenizer.ggml.tokens": ["a"] * 300, **{g + k: v for k, v in extra.items()}}
+    return model_config_from_gguf(fields, {"token_embd.weight"})
+
+
+def test_gemma3_gguf_header_keys():
+    c = _gemma3_gguf()   # llama.cpp's fixed values where the header is silent
+    assert c.layer_windows == (8,) * 5 + (None,) and c.local_rope_theta == 1e4
+    assert (c.rope_theta, c.rope_scaling, c.attn_scale) == (1e6, None, 16 ** -0.5)
+    assert c.tie_word_embeddings and c.vocab_size == 300 and c.final_logit_softcap is None
+    c = _gemma3_gguf(**{"rope.freq_base_swa": 500.0, "rope.scaling.type": "linear",
+                        "rope.scaling.factor": 8.0, "attention.sliding_window_pattern": 3,
+                        "final_logit_softcapping": 30.0})
+    assert c.layer_windows == (8, 8, None) * 2 and c.local_rope_theta == 500.0
+    assert c.rope_scaling == LinearScaling(8.0) and c.final_logit_softcap == 30.0
+    flags = [True, False, True, True, False, False]   # one bool per layer: True = sliding
+    c = _gemma3_gguf(**{"attention.sliding_window_pattern": flags})
+    assert c.layer_windows == (8, None, 8, 8, None, None)
+    assert _gemma3_gguf(**{"attention.key_length": 8}).attn_scale == 8 ** -0.5
+    big = _gemma3_gguf(**{"block_count": 62, "attention.key_length": 8})   # 27B: hidden / heads
+    assert big.attn_scale == (64 / 4) ** -0.5
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        _gemma3_gguf(attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        _gemma3_gguf(**{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0})
