@@ -21,7 +21,10 @@ It speaks what each router in the overhead experiment asks of a worker:
   orchestrator's ``kv_cache_aware`` router loads to hash prompts;
 - pdserve's ``GET /kv_events`` (:mod:`pdserve.kv_events`): a snapshot of no blocks, then a heartbeat
   every second, so the orchestrator's KV indexes of this worker are synced (and stay empty) and
-  ``kv_cache_aware`` scores every prompt as it would in front of a real server.
+  ``kv_cache_aware`` scores every prompt as it would in front of a real server;
+- ``--trace N``: the ``time.monotonic()`` of each step of the last N requests, keyed by their
+  ``X-Request-Id`` (``GET /trace``; :class:`StepTrace`), which ``bench/dispatch_trace.py`` lines up
+  with the client's own clock (CLOCK_MONOTONIC is one clock for every process of a host).
 
 Raw ASGI on uvicorn (no FastAPI) so the worker costs far less than the routers it measures.
 """
@@ -45,6 +48,42 @@ MODEL = "fake-model"
 WORD = " tok"
 KV_HEARTBEAT_S = 1.0   # between /kv_events heartbeats (a real server's default)
 MAX_OUTCOMES = 10_000  # ctx role: lease-wait outcomes kept for waits still to come (oldest dropped)
+_STEP_NAMES = {"context_only": "ctx", "generation_only": "gen"}  # request_type -> StepTrace step prefix
+
+
+class StepTrace:
+    """When each request reached each step here: ``{request id: {step: time.monotonic() s}}`` for the
+    last ``size`` request ids (0: nothing is kept, and :meth:`mark` costs one comparison).
+
+    Steps: ``<phase>_in`` when the app has the request's body parsed (``ctx``, ``gen``, ``plain``,
+    ``lease``; stamped with the time its first ASGI call began), ``ctx_out`` / ``lease_out`` / ``plain_out``
+    / ``gen_out`` after the last body byte was handed to uvicorn, ``gen_first`` after the first
+    streamed event, and on a generation_first gen request ``wait_sent`` (its lease wait is about
+    to be written) and ``wait_back`` (the ctx worker's answer to it was read)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._steps: OrderedDict[str, dict[str, float]] = OrderedDict()
+
+    def mark(self, request_id: str | None, step: str, t: float | None = None) -> None:
+        if not self.size or request_id is None:
+            return
+        steps = self._steps.get(request_id)
+        if steps is None:
+            steps = self._steps[request_id] = {}
+            while len(self._steps) > self.size:
+                self._steps.popitem(last=False)
+        steps[step] = time.monotonic() if t is None else t
+
+    def dump(self) -> dict[str, dict[str, float]]:
+        return dict(self._steps)
+
+
+def _request_id(scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            return value.decode("latin-1")
+    return None
 
 
 def _usage(n_prompt: int, n: int) -> dict:
@@ -61,8 +100,9 @@ def _prompt_len(body: dict) -> int:
 
 
 class FakeWorker:
-    def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float) -> None:
+    def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float, trace: int = 0) -> None:
         self.role = role
+        self.trace = StepTrace(trace)
         self.tokenizer_dir = tokenizer_dir
         self.token_delay_s = token_delay_s
         self.requests = 0
@@ -102,6 +142,7 @@ class FakeWorker:
                     return
         if scope["type"] != "http":
             return
+        t_in = time.monotonic()
         path, method = scope["path"], scope["method"]
         if method == "GET":
             if path in ("/health", "/health_generate", "/ping"):
@@ -117,6 +158,8 @@ class FakeWorker:
                                                     "waits_answered": self.waits_answered})
             if path == "/tokenizer":
                 return await self._json(send, 200, self.tokenizer_payload())
+            if path == "/trace":
+                return await self._json(send, 200, {"steps": self.trace.dump()})
             if path == "/kv_events":
                 return await self._kv_events(receive, send)
             if path in ("/get_load", "/v1/loads"):
@@ -130,8 +173,11 @@ class FakeWorker:
                 break
         if path == "/disagg/release" or path == "/flush_cache":
             return await self._json(send, 200, {"released": True})
+        rid = _request_id(scope) if self.trace.size else None
         if path == "/disagg/lease":
-            return await self._json(send, 200, await self._lease_wait(json.loads(raw)))
+            self.trace.mark(rid, "lease_in", t_in)
+            await self._json(send, 200, await self._lease_wait(json.loads(raw)))
+            return self.trace.mark(rid, "lease_out")
         if path not in ("/v1/completions", "/v1/chat/completions", "/generate"):
             return await self._json(send, 404, {"error": {"message": f"no route {path}"}})
         self.requests += 1
@@ -139,7 +185,10 @@ class FakeWorker:
         self.bootstrapped += "bootstrap_room" in body
         phase = (body.get("disaggregated_params") or {}).get("request_type", "plain")
         self.phases[phase] = self.phases.get(phase, 0) + 1
-        await self._complete(send, body, chat=path.endswith("chat/completions"))
+        step = _STEP_NAMES.get(phase, phase)
+        self.trace.mark(rid, f"{step}_in", t_in)
+        await self._complete(send, body, chat=path.endswith("chat/completions"), trace_id=rid)
+        self.trace.mark(rid, f"{step}_out")
 
     async def _kv_events(self, receive, send) -> None:
         """An NDJSON KV event stream with no events: the empty snapshot, then heartbeats until the
@@ -179,7 +228,7 @@ class FakeWorker:
         self.waits_answered += 1
         return answer
 
-    async def _wait_for_ctx(self, dp: dict) -> bool:
+    async def _wait_for_ctx(self, dp: dict, trace_id: str | None) -> bool:
         """gen role, generation_first: wait on the ctx worker's lease endpoint; True when it parked.
 
         Uses the orchestrator's lean pooled HTTP/1.1 client (not httpx, as the real gen server
@@ -189,12 +238,15 @@ class FakeWorker:
         if self._http is None:
             self._http = H1Client(5.0, user_agent="fake-worker")
         body = json.dumps({"disagg_request_id": dp["disagg_request_id"], "wait_ms": 60_000}).encode()
-        resp = await asyncio.wait_for(self._http.post(dp["ctx_url"], "/disagg/lease", body, ()), 65.0)
+        self.trace.mark(trace_id, "wait_sent")
+        headers = (("X-Request-Id", trace_id),) if trace_id else ()
+        resp = await asyncio.wait_for(self._http.post(dp["ctx_url"], "/disagg/lease", body, headers), 65.0)
         try:
             raw = await asyncio.wait_for(resp.read(), 65.0)
         finally:
             resp.close()
         parked = resp.status == 200 and json.loads(raw).get("state") == "parked"
+        self.trace.mark(trace_id, "wait_back")
         self.waited += parked
         return parked
 
@@ -204,7 +256,7 @@ class FakeWorker:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
-    async def _complete(self, send, body: dict, chat: bool) -> None:
+    async def _complete(self, send, body: dict, chat: bool, trace_id: str | None = None) -> None:
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         n_prompt = _prompt_len(body)
         stream = bool(body.get("stream"))
@@ -213,7 +265,7 @@ class FakeWorker:
         if rtype == "context_only" or (self.role == "prefill" and "bootstrap_room" in body):
             n, stream = 1, stream and rtype != "context_only"
         if rtype == "generation_only" and dp.get("ctx_url") and not dp.get("ctx_request_id"):
-            if not await self._wait_for_ctx(dp):
+            if not await self._wait_for_ctx(dp, trace_id):
                 return await self._json(send, 504, {"error": {"message": "the ctx worker parked nothing",
                                                               "type": "ctx_wait_timeout", "param": None, "code": 504}})
         rid = f"cmpl-{uuid.uuid4().hex[:12]}"
@@ -251,6 +303,8 @@ class FakeWorker:
             event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
                         "more_body": True})
+            if i == 0:
+                self.trace.mark(trace_id, "gen_first")
             if self.token_delay_s > 0 and i < n - 1:
                 await asyncio.sleep(self.token_delay_s)
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -270,8 +324,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
     p.add_argument("--tokenizer-dir", default="", help="a local HF tokenizer directory (named in /model_info)")
     p.add_argument("--token-delay-ms", type=float, default=0.0)
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="keep the step times of the last N requests (GET /trace); 0 = off")
     args = p.parse_args(argv)
-    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0)
+    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0, args.trace)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on")
 
 

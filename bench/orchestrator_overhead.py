@@ -46,7 +46,10 @@ from _harness import (conditions, loadavg, FIGURES, PY, RESULTS, ROOT, Procs, be
                       tree_cpu_s, update_section)
 
 
-def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
+def start(procs: Procs, a: argparse.Namespace, worker_args: tuple[str, ...] = ()) -> dict[str, str]:
+    """Start fake workers A (ctx / prefill) and B (gen / decode) on core 0 (``worker_args`` added to
+    both command lines), one pdserve orchestrator per style, router policy and process count of
+    ``a``, and sglang-router when ``a.sglang_python`` exists; returns each target's URL (``direct``: B)."""
     tok_dir = RESULTS / "overhead" / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         from engine.model_files import resolve_model_path
@@ -55,8 +58,10 @@ def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
         Tokenizer.from_model_path(Path(resolve_model_path("smollm2"))).hf.save_pretrained(str(tok_dir))
     pa, pb = free_port(), free_port()
     fw = str(ROOT / "bench" / "fake_worker.py")
-    procs.start("worker_a", [PY, fw, "--port", str(pa), "--role", "prefill", "--tokenizer-dir", str(tok_dir)], cores="0")
-    procs.start("worker_b", [PY, fw, "--port", str(pb), "--role", "decode", "--tokenizer-dir", str(tok_dir)], cores="0")
+    procs.start("worker_a", [PY, fw, "--port", str(pa), "--role", "prefill", "--tokenizer-dir", str(tok_dir),
+                             *worker_args], cores="0")
+    procs.start("worker_b", [PY, fw, "--port", str(pb), "--role", "decode", "--tokenizer-dir", str(tok_dir),
+                             *worker_args], cores="0")
     a_url, b_url = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
     procs.wait_http("worker_a", a_url + "/health", 30)
     procs.wait_http("worker_b", b_url + "/health", 30)
