@@ -71,10 +71,13 @@ class StreamClient:
         self._sock.sendall(head + body)
         buf, t_first = b"", None
         while True:
+            # ACK at once (Linux clears the flag after a while): a server that writes a stream in
+            # small pieces with Nagle on would otherwise wait out our delayed ACK (40 ms) per piece.
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
             data = self._sock.recv(1 << 16)
             now = time.monotonic()
             if not data:
-                raise ConnectionError(f"connection closed after {len(buf)} bytes")
+                raise ConnectionError(f"connection closed after {len(buf)} bytes: {buf[:400]!r}")
             buf += data
             if t_first is None and b"data: " in buf:
                 t_first = now
@@ -131,6 +134,8 @@ def main() -> int:
     p.add_argument("--routers", default="round_robin,kv_cache_aware")
     p.add_argument("--styles", default="context_first,generation_first")
     p.add_argument("--sglang-python", default=None, help="python of a venv with sglang-router (skipped if absent)")
+    p.add_argument("--fake-ctx-signal", choices=("push", "pull"), default="push",
+                   help="how the fake gen worker waits for the fake ctx worker (bench/fake_ctx_feed.py)")
     a = p.parse_args()
     ns = argparse.Namespace(sglang_python=a.sglang_python, pdserve_routers=a.routers, pdserve_workers="1",
                             styles=a.styles, router_cores="1")
@@ -138,7 +143,7 @@ def main() -> int:
     reqs: dict[str, list] = {}
     cpu: dict[str, dict[str, float]] = {}
     with Procs(RESULTS / "dispatch_trace" / "logs") as procs:
-        urls = oo.start(procs, ns, worker_args=("--trace", str(TRACE_SIZE)))
+        urls = oo.start(procs, ns, worker_args=("--trace", str(TRACE_SIZE), "--ctx-signal", a.fake_ctx_signal))
         os.sched_setaffinity(0, {0})  # the client shares core 0 with the workers, as in the overhead bench
         pids = {"A": procs.procs["worker_a"].pid, "B": procs.procs["worker_b"].pid}
         for name, url in urls.items():

@@ -9,10 +9,13 @@ It speaks what each router in the overhead experiment asks of a worker:
 - pdserve's ``disaggregated_params``: ``context_only`` → a one-token answer with parked-lease
   params (no KV is really parked); ``generation_only`` → the stream; ``POST /disagg/release``;
 - pdserve's ``generation_first`` (``orchestrator.schedule_style``): a ``generation_only`` request
-  that names ``ctx_url`` instead of the ctx params really waits: the worker POSTs the ctx
-  worker's ``/disagg/lease`` (pdserve.kv_wait) and streams only once that wait says ``parked``;
-  the ctx worker answers a wait as soon as its ``context_only`` answer for that
-  ``disagg_request_id`` is ready (or at once, if it already was);
+  that names ``ctx_url`` instead of the ctx params really waits, streaming only once the ctx
+  worker's ``context_only`` answer for that ``disagg_request_id`` is made. ``--ctx-signal pull``:
+  as the real gen server, it POSTs the ctx worker's ``/disagg/lease`` (pdserve.kv_wait), which
+  answers as soon as that answer is ready (or at once, if it already was); ``--ctx-signal push``
+  (the default): it waits for the ``parked`` line the ctx worker pushes on one long-lived
+  subscription (:mod:`fake_ctx_feed`: the same wait at a fraction of the CPU, which the bench's
+  workers spend on the core the router's client shares);
 - sglang-router's PD mode (requests carrying ``bootstrap_room``): with ``--role prefill`` the
   answer is one token (the router drains it), with ``--role decode`` the full answer;
 - ``GET /health``, ``/v1/models``, ``/server_info``, ``/get_server_info``, ``/model_info``,
@@ -43,6 +46,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages (orchestrator.h1client)
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "bench") not in sys.path:  # ... and fake_ctx_feed beside this file
+    sys.path.insert(0, str(ROOT / "bench"))
+
+from fake_ctx_feed import FEED_PATH, ParkedFeeds, ParkedPublisher  # noqa: E402
 
 MODEL = "fake-model"
 WORD = " tok"
@@ -58,8 +65,9 @@ class StepTrace:
     Steps: ``<phase>_in`` when the app has the request's body parsed (``ctx``, ``gen``, ``plain``,
     ``lease``; stamped with the time its first ASGI call began), ``ctx_out`` / ``lease_out`` / ``plain_out``
     / ``gen_out`` after the last body byte was handed to uvicorn, ``gen_first`` after the first
-    streamed event, and on a generation_first gen request ``wait_sent`` (its lease wait is about
-    to be written) and ``wait_back`` (the ctx worker's answer to it was read)."""
+    streamed event, and on a generation_first gen request ``wait_sent`` (its wait for the ctx
+    worker begins: the lease POST is about to be written, or the pushed line awaited) and
+    ``wait_back`` (the lease answer, or the pushed line, was read)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -100,9 +108,15 @@ def _prompt_len(body: dict) -> int:
 
 
 class FakeWorker:
-    def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float, trace: int = 0) -> None:
+    def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float, trace: int = 0,
+                 ctx_signal: str = "push") -> None:
+        if ctx_signal not in ("pull", "push"):
+            raise ValueError(f"ctx_signal must be pull or push, got {ctx_signal!r}")
         self.role = role
         self.trace = StepTrace(trace)
+        self.ctx_signal = ctx_signal
+        self.publisher = ParkedPublisher()   # ctx role: subscribers of the pushed "parked" lines
+        self._feeds: ParkedFeeds | None = None  # gen role, push: the subscriptions (made in the serving loop)
         self.tokenizer_dir = tokenizer_dir
         self.token_delay_s = token_delay_s
         self.requests = 0
@@ -138,6 +152,8 @@ class FakeWorker:
                 if msg["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    if self._feeds is not None:
+                        await self._feeds.close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
@@ -173,6 +189,9 @@ class FakeWorker:
                 break
         if path == "/disagg/release" or path == "/flush_cache":
             return await self._json(send, 200, {"released": True})
+        if path == FEED_PATH:
+            done = [{"disagg_request_id": did, **fut.result()} for did, fut in self._outcomes.items() if fut.done()]
+            return await self.publisher.serve(receive, send, done)
         rid = _request_id(scope) if self.trace.size else None
         if path == "/disagg/lease":
             self.trace.mark(rid, "lease_in", t_in)
@@ -221,7 +240,8 @@ class FakeWorker:
         """ctx role: the outcome of ``disagg_request_id``'s context request, waiting ``wait_ms`` at most."""
         did = body["disagg_request_id"]
         try:
-            answer = await asyncio.wait_for(asyncio.shield(self._outcome(did)), body["wait_ms"] / 1000.0)
+            async with asyncio.timeout(body["wait_ms"] / 1000.0):  # no task (asyncio.wait_for makes one)
+                answer = await asyncio.shield(self._outcome(did))
         except TimeoutError:
             answer = {"state": "timeout", "message": "nothing parked"}
         self._outcomes.pop(did, None)
@@ -229,7 +249,7 @@ class FakeWorker:
         return answer
 
     async def _wait_for_ctx(self, dp: dict, trace_id: str | None) -> bool:
-        """gen role, generation_first: wait on the ctx worker's lease endpoint; True when it parked.
+        """gen role, generation_first: wait for the ctx worker's signal (``ctx_signal``); True when it parked.
 
         Uses the orchestrator's lean pooled HTTP/1.1 client (not httpx, as the real gen server
         does), so that this fake's own cost stays small next to the routers it measures."""
@@ -237,14 +257,25 @@ class FakeWorker:
 
         if self._http is None:
             self._http = H1Client(5.0, user_agent="fake-worker")
-        body = json.dumps({"disagg_request_id": dp["disagg_request_id"], "wait_ms": 60_000}).encode()
         self.trace.mark(trace_id, "wait_sent")
+        if self.ctx_signal == "push":
+            if self._feeds is None:
+                self._feeds = ParkedFeeds(self._http)
+            try:
+                outcome = await self._feeds.wait(dp["ctx_url"], dp["disagg_request_id"], 60.0)
+            except (TimeoutError, ConnectionError):
+                return False
+            self.trace.mark(trace_id, "wait_back")
+            self.waited += outcome.get("state") == "parked"
+            return outcome.get("state") == "parked"
+        body = json.dumps({"disagg_request_id": dp["disagg_request_id"], "wait_ms": 60_000}).encode()
         headers = (("X-Request-Id", trace_id),) if trace_id else ()
-        resp = await asyncio.wait_for(self._http.post(dp["ctx_url"], "/disagg/lease", body, headers), 65.0)
-        try:
-            raw = await asyncio.wait_for(resp.read(), 65.0)
-        finally:
-            resp.close()
+        async with asyncio.timeout(65.0):  # the wait (60 s) and its answer; no task of its own
+            resp = await self._http.post(dp["ctx_url"], "/disagg/lease", body, headers)
+            try:
+                raw = await resp.read()
+            finally:
+                resp.close()
         parked = resp.status == 200 and json.loads(raw).get("state") == "parked"
         self.trace.mark(trace_id, "wait_back")
         self.waited += parked
@@ -278,12 +309,16 @@ class FakeWorker:
                                     "block_size": 16, "dtype": "float32"}}
             choice = {"index": 0, "finish_reason": None, "logprobs": None, "disaggregated_params": params}
             choice.update({"message": {"role": "assistant", "content": WORD}} if chat else {"text": WORD})
-            if params["disagg_request_id"]:  # a generation_first gen worker may be waiting for this
-                fut = self._outcome(params["disagg_request_id"])
+            did = params["disagg_request_id"]
+            if did:  # a generation_first gen worker may be waiting for this
+                fut = self._outcome(did)
                 fut.done() or fut.set_result({"state": "parked", "disaggregated_params": params})
-            return await self._json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                                "created": created, "model": MODEL, "choices": [choice],
-                                                "usage": _usage(n_prompt, 1)})
+            await self._json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                         "created": created, "model": MODEL, "choices": [choice],
+                                         "usage": _usage(n_prompt, 1)})
+            if did and self.publisher.subscribers:  # after the answer, as a pull's answer comes after it
+                await self.publisher.publish({"disagg_request_id": did, "state": "parked", "disaggregated_params": params})
+            return
         if not stream:
             choice = {"index": 0, "finish_reason": "length", "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": WORD * n}} if chat else {"text": WORD * n})
@@ -293,16 +328,8 @@ class FakeWorker:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
         obj = "chat.completion.chunk" if chat else "text_completion"
-        for i in range(n):
-            finish = "length" if i == n - 1 else None
-            if chat:
-                delta = {"content": WORD} if i else {"role": "assistant", "content": WORD}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": WORD, "finish_reason": finish, "logprobs": None}
-            event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
-                        "more_body": True})
+        for i, event in enumerate(_token_events(rid, obj, created, chat, n)):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
             if i == 0:
                 self.trace.mark(trace_id, "gen_first")
             if self.token_delay_s > 0 and i < n - 1:
@@ -313,6 +340,26 @@ class FakeWorker:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _token_events(rid: str, obj: str, created: int, chat: bool, n: int) -> list[bytes]:
+    """The ``n`` SSE events (``data: {...}`` and a blank line each) of a streamed answer of ``n`` tokens;
+    the middle ones are the same bytes, encoded once (the fake's cost per token stays far below a
+    router's)."""
+    def encode(i: int) -> bytes:
+        finish = "length" if i == n - 1 else None
+        if chat:
+            delta = {"content": WORD} if i else {"role": "assistant", "content": WORD}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": WORD, "finish_reason": finish, "logprobs": None}
+        event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    if n <= 3:
+        return [encode(i) for i in range(n)]
+    middle = encode(1)
+    return [encode(0), *([middle] * (n - 2)), encode(n - 1)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,8 +373,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-delay-ms", type=float, default=0.0)
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="keep the step times of the last N requests (GET /trace); 0 = off")
+    p.add_argument("--ctx-signal", choices=("pull", "push"), default="push",
+                   help="how a generation_first gen request waits for the ctx worker (module docstring)")
     args = p.parse_args(argv)
-    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0, args.trace)
+    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0, args.trace, args.ctx_signal)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on")
 
 

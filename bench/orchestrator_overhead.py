@@ -190,6 +190,9 @@ def main() -> int:
     p.add_argument("--section", default="overhead", help="the docs/benchmarks.md section (and figure) written")
     p.add_argument("--wrk-seconds", type=int, default=8)
     p.add_argument("--wrk-threads", type=int, default=1)
+    p.add_argument("--fake-ctx-signal", choices=("push", "pull"), default="push",
+                   help="how the fake gen worker waits for the fake ctx worker in generation_first "
+                        "(bench/fake_ctx_feed.py): a pushed line, or the real servers' lease POST")
     p.add_argument("--dry-run", action="store_true", help="print the table; write neither docs/benchmarks.md nor the figure")
     a = p.parse_args()
     if shutil.which("wrk") is None:
@@ -201,7 +204,7 @@ def main() -> int:
     wrk: dict[str, list[dict]] = {}
     calls: dict = {}
     with Procs(RESULTS / "overhead" / "logs") as procs:
-        urls = start(procs, a)
+        urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal))
         say(f"targets: {urls}")
         for rep in range(a.repeats):
             for name, url in urls.items():
@@ -260,6 +263,14 @@ def main() -> int:
         " vs sglang-router (PD mode)" if any(n.startswith("sglang") for n in lat) else "") + (
         "" if a.pdserve_workers == "1" else f", orchestrator.num_workers {a.pdserve_workers}, routers on core(s) "
         f"{a.router_cores}")
+    signal_note = (
+        "A pushes one `parked` line per request on a subscription B opened once (`--fake-ctx-signal push`, "
+        "bench/fake_ctx_feed.py; the real gen server instead POSTs the ctx server's `/disagg/lease` per "
+        "request — servers' CPU that this setup would put on the client's core)."
+        if a.fake_ctx_signal == "push" else
+        "B POSTs A's `/disagg/lease` as the real gen server does (`--fake-ctx-signal pull`; one B → A "
+        "round trip on core 0 with the workers and the client, through the orchestrator's pooled HTTP/1.1 "
+        "client; the real gen server uses httpx).")
     body = f"""## {title}
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
@@ -284,10 +295,8 @@ What each router does per request (be fair when reading the numbers):
   trips in sequence — the cost of `context_first`. `kv_cache_aware` also tokenizes the prompt
   and hashes its blocks at the orchestrator.
 - **pdserve … gen-first** (`schedule_style: generation_first`): POSTs the context phase to A and
-  the generation phase to B at once and relays B's stream; B (the fake) really waits — it POSTs
-  A's `/disagg/lease` and streams only once A has answered that request's context phase (one
-  B → A round trip, on core 0 with the workers, through the orchestrator's pooled HTTP/1.1 client; the
-  real gen server uses httpx).
+  the generation phase to B at once and relays B's stream; B (the fake) really waits — it streams
+  only once A has answered that request's context phase: {signal_note}
 - The fake workers publish KV events as a real server does (`GET /kv_events`: an empty snapshot,
   then heartbeats), so `kv_cache_aware`'s indexes are synced (and empty): it tokenizes and scores
   every prompt as it would in front of real servers.

@@ -11,19 +11,19 @@ import time
 import httpx
 import pytest
 
-from bench.fake_worker import MODEL, WORD, FakeWorker
+from bench.fake_worker import MODEL, WORD, FakeWorker, _token_events
 from tests.orchestrator.orch_fakes import ThreadServer
 
 
-@pytest.fixture
-def workers():
-    a = ThreadServer(FakeWorker("prefill", "", 0.0, trace=100)).start()
-    b = ThreadServer(FakeWorker("decode", "", 0.0, trace=100)).start()
+@pytest.fixture(params=["pull", "push"])
+def workers(request):
+    a = ThreadServer(FakeWorker("prefill", "", 0.0, trace=100, ctx_signal=request.param)).start()
+    b = ThreadServer(FakeWorker("decode", "", 0.0, trace=100, ctx_signal=request.param)).start()
     try:
         yield a, b
     finally:
+        b.stop()  # first: its lifespan closes the subscription a would otherwise wait for
         a.stop()
-        b.stop()
 
 
 def _events(raw: bytes) -> list:
@@ -60,10 +60,36 @@ def test_gen_worker_streams_only_after_the_ctx_worker_answered(workers):
     assert events[-1] == "[DONE]"
     sa = httpx.get(a.url + "/trace", timeout=5).json()["steps"]["rid-1"]
     sb = httpx.get(b.url + "/trace", timeout=5).json()["steps"]["rid-1"]
-    assert sb["gen_in"] <= sb["wait_sent"] < sa["lease_in"] < sa["ctx_in"] < sa["ctx_out"] <= sa["lease_out"]
-    assert sa["lease_out"] < sb["wait_back"] <= sb["gen_first"] <= sb["gen_out"]
+    assert sb["gen_in"] <= sb["wait_sent"] < sa["ctx_in"] < sa["ctx_out"] < sb["wait_back"] <= sb["gen_first"]
+    assert sb["gen_first"] <= sb["gen_out"]
+    if b.server.config.app.ctx_signal == "pull":  # the waiting pull on the ctx worker's lease endpoint
+        assert sb["wait_sent"] < sa["lease_in"] < sa["ctx_in"] and sa["ctx_out"] <= sa["lease_out"] < sb["wait_back"]
+    else:  # the pushed line: no lease request
+        assert "lease_in" not in sa
     stats = httpx.get(b.url + "/stats", timeout=5).json()
     assert stats["waited"] == 1 and stats["phases"] == {"generation_only": 1}
+
+
+def test_push_replays_what_was_parked_before_the_subscription():
+    """A ctx answer made before the gen worker subscribed (its first request) is not lost."""
+    a = ThreadServer(FakeWorker("prefill", "", 0.0)).start()
+    b = ThreadServer(FakeWorker("decode", "", 0.0)).start()
+    try:
+        for did in ("early-1", "early-2"):
+            r = httpx.post(a.url + "/v1/completions", timeout=10, json={
+                "model": MODEL, "prompt": "x", "max_tokens": 3,
+                "disaggregated_params": {"request_type": "context_only", "disagg_request_id": did}})
+            assert r.status_code == 200
+        for did in ("early-2", "early-1"):
+            r = httpx.post(b.url + "/v1/completions", timeout=10, json={
+                "model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True,
+                "disaggregated_params": {"request_type": "generation_only", "disagg_request_id": did,
+                                         "ctx_url": a.url}})
+            assert r.status_code == 200 and _events(r.content)[-1] == "[DONE]"
+        assert httpx.get(b.url + "/stats", timeout=5).json()["waited"] == 2
+    finally:
+        b.stop()
+        a.stop()
 
 
 def test_trace_off_keeps_nothing():
@@ -75,3 +101,12 @@ def test_trace_off_keeps_nothing():
         assert httpx.get(quiet.url + "/trace", timeout=5).json() == {"steps": {}}
     finally:
         quiet.stop()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16])
+def test_streamed_events_are_each_tokens_chunk(n):
+    events = _events(b"".join(_token_events("cmpl-x", "chat.completion.chunk", 7, True, n)))
+    assert len(events) == n and all(e["id"] == "cmpl-x" and e["created"] == 7 for e in events)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": WORD} and all(d == {"content": WORD} for d in deltas[1:])
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (n - 1) + ["length"]
