@@ -9,8 +9,11 @@ Two fake workers A and B answer at once (no model). Paths:
 - **pdserve** (``schedule_style: context_first``): client → orchestrator → A (``context_only``,
   JSON answer) then → B (``generation_only``, streamed and relayed): two upstream calls in sequence.
 - **pdserve gen-first** (``schedule_style: generation_first``): client → orchestrator → A and B at
-  once; B really waits: it asks A's ``/disagg/lease`` and streams once A has answered the
-  ``context_only`` request. One round trip on the orchestrator's critical path, one B → A hop.
+  once; B really waits: it streams once A has answered the ``context_only`` request, told by a
+  line A pushes on a subscription B opened once (``--fake-ctx-signal push``, the default:
+  ``bench/fake_ctx_feed.py``) or by A's answer to B's ``POST /disagg/lease`` (``pull``, what the
+  real gen server does, at ~0.4 ms more of the workers' CPU per request on the client's core).
+  One round trip on the orchestrator's critical path, one A → B signal.
 - **sglang-router** (``--pd-disaggregation``, prefill A, decode B): one request sent to A
   *and* B at once with ``bootstrap_host/port/room`` added; the client gets B's stream. (In SGLang
   the KV handoff then runs worker to worker; here nothing moves.)
