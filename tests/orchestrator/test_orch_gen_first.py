@@ -47,6 +47,28 @@ def test_gen_request_leaves_with_the_ctx_request(make_cluster):
     assert gen_t < ctx_t + 0.25  # long before the ctx answer (0.5 s after ctx_t)
 
 
+def test_ctx_request_is_written_before_the_gen_request(make_cluster, monkeypatch):
+    """The ctx request is the TTFT's critical path: it leaves first, the gen request right after it
+    (before the ctx answer is awaited), both on the upstream client's hot path."""
+    from orchestrator.h1client import H1Client
+
+    c = make_cluster(schedule_style="generation_first", behaviors={"ctx": [{"ctx_delay_s": 0.3}]})
+    written: list[str] = []
+    start = H1Client.start
+
+    async def recording_start(self, base_url, path, body, headers=()):
+        pending = await start(self, base_url, path, body, headers)
+        written.append(base_url)  # after start returned: the request is on its connection
+        return pending
+
+    monkeypatch.setattr(H1Client, "start", recording_start)
+    r = httpx.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=10)
+    assert r.status_code == 200 and stream_text(parse_sse(r.content), chat=False) == text_of(5)
+    assert written[:2] == [c.ctx[0].server.url, c.gen[0].server.url]
+    (ctx_t,), (gen_t,) = c.ctx[0].record.arrived_s, c.gen[0].record.arrived_s
+    assert gen_t < ctx_t + 0.15  # and it did not wait for the ctx answer (0.3 s after ctx_t)
+
+
 def test_finished_at_first_token_cancels_the_gen_request(make_cluster):
     c = make_cluster(schedule_style="generation_first")
     r = httpx.post(c.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1, "stream": True}, timeout=10)
