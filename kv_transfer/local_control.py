@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -30,6 +31,13 @@ from kv_transfer.wire import KVTransferError, recv_msg, send_msg
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64  # one per concurrent pull of each same-host gen client (4 each today)
+# How long a side polls (without blocking) for the frame it expects next: the gen side for the
+# answer to its pull, the ctx side for the ``done`` after answering one. A thread blocked in recv
+# must be woken by the sender, which on this VM costs the *sender* ~15-20 us per send (the wake-up
+# IPI) and the receiver its wake-up latency; a polling receiver costs neither. An answer takes
+# ~60-100 us and a 1 MiB read ~60 us, so 300 us covers both for small pulls; past it the side
+# blocks as before. Measured in docs/benchmarks.md (same-host pull latency).
+SPIN_S = 300e-6
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 Reply = Callable[[dict], None]
@@ -45,10 +53,12 @@ class LocalControlServer:
     Args:
         handler: ``handler(msg, reply)`` for each frame received; ``reply(frame)`` answers on the
             same connection. Called on the connection's thread; exceptions are logged and end that
-            connection only.
+            connection only. A true result means another frame from the same client is due at
+            once (a ``done`` after a pull answer): the thread polls for it for up to
+            :data:`SPIN_S` before it blocks.
     """
 
-    def __init__(self, handler: Callable[[dict, Reply], None]) -> None:
+    def __init__(self, handler: Callable[[dict, Reply], bool | None]) -> None:
         self.name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
         self._handler = handler
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -103,7 +113,8 @@ class LocalControlServer:
                     msg = recv_msg(sock)
                 except KVTransferError:
                     return  # the gen side closed the connection (or sent a bad frame)
-                self._handler(msg, reply)
+                if self._handler(msg, reply):
+                    poll_readable(sock, SPIN_S)  # its ``done`` follows within microseconds
         except OSError as err:
             log.info("same-host KV control connection ended: %s", err)
         except Exception:  # noqa: BLE001 - one bad message ends its connection, never the server
@@ -173,10 +184,27 @@ def exchange(sock: socket.socket, msg: dict, deadline: float) -> dict:
         raise TimeoutError("the pull's deadline passed before it was sent")
     sock.settimeout(left)
     send_msg(sock, msg)
+    poll_readable(sock, min(SPIN_S, left))
     try:
         return recv_msg(sock)
     except socket.timeout:
         raise TimeoutError("no answer from the ctx side before the deadline") from None
+
+
+def poll_readable(sock: socket.socket, budget_s: float) -> bool:
+    """Poll ``sock`` without blocking (``poll`` with a 0 timeout, GIL released in each call) for up
+    to ``budget_s`` seconds; True once it is readable (data or EOF), False when the budget ran out.
+    Between polls the thread yields its CPU (``sched_yield``), so a peer thread that shares this
+    CPU, e.g. the one about to send the awaited frame, runs first. Reading is left to the caller,
+    which then blocks as usual."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    end = time.perf_counter() + budget_s
+    while not poller.poll(0):
+        if time.perf_counter() >= end:
+            return False
+        os.sched_yield()
+    return True
 
 
 def _shutdown(sock: socket.socket) -> None:

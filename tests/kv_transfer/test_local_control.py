@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kv_transfer.factory import make_kv_client
+from kv_transfer.local_control import poll_readable
 from kv_transfer.peer_procs import PeerProcesses
 from kv_transfer.wire import recv_msg, send_msg
 from pdserve.procfs import proc_start_time
@@ -99,3 +100,43 @@ def test_peer_processes_see_a_process_exit_and_a_wrong_start_time():
         assert not procs.alive(child.pid, start)
     finally:
         procs.close()
+
+
+def test_poll_readable_is_bounded_and_sees_a_frame():
+    """The bounded poll before a blocking read: False once its budget is spent with nothing to read
+    (and no sooner), True as soon as a frame (or EOF) is there."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        t0 = time.perf_counter()
+        assert poll_readable(a, 2e-3) is False
+        assert time.perf_counter() - t0 >= 2e-3
+        b.sendall(b"x")
+        assert poll_readable(a, 10.0) is True
+        a.recv(1)
+        b.close()
+        assert poll_readable(a, 10.0) is True  # EOF is readable: the blocking read then reports it
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_ucx
+def test_a_pull_answer_makes_the_server_poll_for_its_done_and_a_refusal_does_not(ucx_side):
+    """_on_local says when a ``done`` is due (an accepted same-host pull), so the connection thread
+    polls for it; a refused pull (no such lease) is not followed by one."""
+    from kv_transfer.ucx_backend import ACK  # imports ucxx
+
+    replies = []
+    server = ucx_side.server
+    tag = ACK + 1  # a tag base: the low bits number a pull's messages
+    bad = {"op": "pull", "tag": tag, "host": server._host_id, "ctx_request_id": "nope", "budget_ms": 1000,
+           "layout": server.layout.model_dump(), "dst_runs": [[0, 1]], "reply_to": "x"}
+    assert server._on_local(bad, replies.append) is False
+    assert replies[-1]["ok"] is False and "nope" in replies[-1]["error"]
+    ucx_side.leases.park("r", [1, 2], 8, ttl_s=30)
+    good = {**bad, "ctx_request_id": "r", "dst_runs": [[0, 2]]}
+    assert server._on_local(good, replies.append) is True
+    assert replies[-1]["ok"] is True and replies[-1]["src_addrs"][0][0] == server.kv_cache[1].data_ptr()
+    assert server._on_local({"op": "done", "ctx_request_id": "r", "tag": tag, "reply_to": "x", "release": True},
+                            replies.append) is False
+    assert ucx_side.freed == [("r", "released")]
