@@ -232,7 +232,7 @@ class UcxKVClient:
         done = lambda rel: send_msg(sock, self._done_msg(rid, base, rel))  # noqa: E731
         try:
             answer = exchange(sock, self._pull_request(rid, dst_ids, base, deadline, release, True, src_first),
-                              deadline)
+                              deadline, self._local.poller)
             answered = True
             nbytes, segments, deadline = self._check_answer(answer, base, endpoint, kv_cache, dst_ids, deadline,
                                                             lambda: done(False))
