@@ -214,7 +214,9 @@ class GenerationFirstFlow(DisaggFlow):
                                     type_="service_unavailable")
         dp = {"request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}
         if ex.stream and self._settings.migration_limit:
-            dp["stream_token_ids"] = True  # the relay keeps the output token ids (migration needs them)
+            # The relay keeps the output token ids, so it can migrate the stream, or move it when
+            # its gen server drains with move_kv (GenPhase.move, as for a context_first stream).
+            dp["stream_token_ids"] = dp["movable"] = True
         if ex.stream and ex.parses:  # a stream is relayed (and parsed) here; a JSON answer is the server's own
             dp["raw_output"] = True
         gen = GenAttempt(self, ex, gen_server, jsonio.dumps({**ex.body, "disaggregated_params": dp}))

@@ -33,7 +33,8 @@ def test_gen_request_names_the_ctx_server_and_waits_for_its_lease(make_cluster, 
     assert ctx_dp["request_type"] == "context_only" and ctx_body["stream"] is False
     assert dp == {"request_type": "generation_only", "disagg_request_id": ctx_dp["disagg_request_id"],
                   "ctx_url": c.ctx[0].server.url,  # nothing of the ctx answer: it did not exist yet
-                  **({"stream_token_ids": True} if stream else {})}  # a stream keeps its ids (migration)
+                  # a stream keeps its ids (migration) and may move off a gen server that drains
+                  **({"stream_token_ids": True, "movable": True} if stream else {})}
     assert c.gen[0].record.sources == list(c.ctx[0].record.leases)  # the wait returned the parked lease
     assert c.ctx[0].record.releases == []
 
