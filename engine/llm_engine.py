@@ -27,6 +27,7 @@ from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepRes
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.step_timing import STEP_KINDS, StageClock, step_kind
 from engine.structured_output import GrammarCompiler, GrammarError
 from engine.tokenizer import Tokenizer
 from engine.tp import (EXTRA, NO_TP, RUN, STOP, PlanBroadcaster, TPContext, TPMessage, barrier,
@@ -39,6 +40,10 @@ from pdserve.kv_events import KVEventBatch, KVSnapshot
 log = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.01  # an idle step waits this long for the grammar library's vocabulary view
+# The stages of step() timed by step_clock: scheduling (grammar waiters included), the plan and its
+# input tensors, the model forward (with the TP plan broadcast), sampling (prompt logprobs
+# included), applying the tokens (stop checks, detokenization) and building the outputs.
+STEP_STAGES = ("schedule", "plan", "forward", "sample", "outputs")
 
 
 class LLMEngine:
@@ -115,6 +120,7 @@ class LLMEngine:
         self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
         self.requests_moved_out = 0
         self.families = Families()  # n > 1 requests after their fork (engine.choices)
+        self.step_clock = StageClock(STEP_STAGES, STEP_KINDS)  # where a step's wall time goes (stats: step_*)
         self._pending_copies: list[tuple[int, int]] = []  # fork block copies the TP followers still owe
         self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:
@@ -138,11 +144,14 @@ class LLMEngine:
         """Block and scheduler counts: ``free_blocks`` (no request references them; cached ones
         included), ``total_blocks``, ``prefill_tokens`` (prompt tokens this engine computed: neither
         cached nor pulled; a recompute after preemption counts again), :meth:`memory_stats`,
-        :meth:`Scheduler.counts` and :meth:`Scheduler.prefix_cache_stats`."""
+        :meth:`Scheduler.counts`, :meth:`Scheduler.prefix_cache_stats` and the step clock
+        (``step_<kind>_count``, ``step_<kind>_<stage>_s``: steps and cumulative wall seconds per
+        STEP_STAGES stage, by engine.step_timing.STEP_KINDS kind)."""
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
                 "prefill_tokens": self.prefill_tokens,
                 "tokens_computed": self.tokens_computed, "requests_moved_out": self.requests_moved_out,
-                **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats()}
+                **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats(),
+                **self.step_clock.snapshot("step")}
 
     def memory_stats(self) -> dict[str, int]:
         """``kv_cache_bytes`` (this rank's cache) and, on CUDA, ``device_memory_used_bytes`` (what
@@ -327,19 +336,27 @@ class LLMEngine:
         Raises RuntimeError when a follower died or stalled past the group's timeout.
         """
         self._require_driver()
+        clock = self.step_clock
+        clock.start()
         admitted = self._admit_grammar_waiters()
         had_running = bool(self.scheduler.running)  # running sequences always run (or are preempted)
         batch = self.scheduler.schedule()
         pulls = batch.pulls
         has_extra = extra is not None
+        clock.lap("schedule")
         if batch.items:
             plan, seqs, spans = self.runner.plan(batch.items)
             plan.copies, self._pending_copies = self._pending_copies, []
+            clock.lap("plan")
+            inputs_s = self.runner.inputs_s
             with self._tp_unit():
                 self._broadcast(TPMessage(RUN, plan, extra, has_extra))
                 logits = self.runner.forward(plan)
+            clock.lap("forward")
+            clock.move("forward", "plan", self.runner.inputs_s - inputs_s)  # its input tensors: plan work
             self.runner.record_prompt_logprobs(spans, logits[len(seqs):])
             sampled = self.runner.sample_with_logprobs(seqs, logits[:len(seqs)])
+            clock.lap("sample")
             for seq, k in batch.items:
                 self.prefill_tokens += max(0, min(seq.num_computed + k, seq.num_prompt_tokens) - seq.num_computed)
                 seq.num_computed += k
@@ -353,9 +370,12 @@ class LLMEngine:
         elif has_extra:
             self._broadcast(TPMessage(EXTRA, extra=extra, has_extra=True))
         outputs = self._drain_outputs()
+        clock.lap("outputs")
+        kind = step_kind([k for _, k in batch.items])
+        clock.commit(kind)
         # Nothing ran, was admitted or preempted: the scheduler's state is what it was before.
         stalled = not (had_running or batch.items or pulls or outputs or admitted or self._grammar_wait)
-        return StepResult(outputs=outputs, kv_pulls=pulls, stalled=stalled)
+        return StepResult(outputs=outputs, kv_pulls=pulls, stalled=stalled, kind=kind)
 
     # ---- tensor parallel ------------------------------------------------------------------
     def broadcast_extra(self, extra: object) -> None:

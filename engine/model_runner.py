@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,19 @@ class ExecPlan:
     sample_rows: list[int]
     prompt_rows: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies of forks (TP followers)
+
+
+@dataclass
+class ModelInputs:
+    """One forward's tensors (ModelRunner.inputs): ids, positions [T] int64; rows [S] int64 (logit
+    rows: sample rows, then prompt rows); metas: attention metadata per window; max_position: the
+    largest position (no device read needed)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+    metas: dict[int | None, AttentionMetadata]
+    max_position: int
 
 
 Picks = dict[tuple[str, int], list[tuple[int, "TokenLogprob | None"]]]
@@ -85,6 +99,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = torch.device(device)
+        self.inputs_s = 0.0  # cumulative seconds forward() spent in inputs()
 
     def execute(self, items: list[tuple[Sequence, int]]) -> dict[str, int]:
         """Compute KV for the new tokens; return request_id -> sampled token for every sequence
@@ -115,9 +130,9 @@ class ModelRunner:
                 seqs.append(seq)
         return ExecPlan(input_ids, plan_items, rows, prompt_rows), seqs, spans
 
-    def forward(self, plan: ExecPlan, compute_logits: bool = True) -> torch.Tensor | None:
-        """Run the model on plan (writes the KV); float32 logits [len(sample_rows) +
-        len(prompt_rows), vocab]: the sample rows first."""
+    def inputs(self, plan: ExecPlan) -> ModelInputs:
+        """The tensors of ``plan`` on this runner's device: token ids, positions, logit rows and the
+        attention metadata of every window (host work: the step's Python-side cost)."""
         pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
                          for it in plan.items])
         rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
@@ -128,9 +143,21 @@ class ModelRunner:
         if self.device.type != "cpu":
             ids, pos, rows = _to(ids, self.device), _to(pos, self.device), _to(rows, self.device)
             metas = {w: _meta_to(m, self.device) for w, m in metas.items()}
-        return self.model.forward(ids, pos, rows, self.kv_cache, metas,
-                                  compute_logits=compute_logits,
-                                  max_position=max_pos)
+        return ModelInputs(ids, pos, rows, metas, max_pos)
+
+    def run(self, inputs: ModelInputs, compute_logits: bool = True) -> torch.Tensor | None:
+        """Run the model on prepared inputs (writes the KV); see :meth:`forward`."""
+        return self.model.forward(inputs.ids, inputs.positions, inputs.rows, self.kv_cache, inputs.metas,
+                                  compute_logits=compute_logits, max_position=inputs.max_position)
+
+    def forward(self, plan: ExecPlan, compute_logits: bool = True) -> torch.Tensor | None:
+        """Run the model on plan (writes the KV); float32 logits [len(sample_rows) +
+        len(prompt_rows), vocab]: the sample rows first. Adds the seconds spent building the
+        inputs (:meth:`inputs`) to ``inputs_s`` (the engine's step clock charges them to the plan)."""
+        t0 = time.perf_counter()
+        inputs = self.inputs(plan)
+        self.inputs_s += time.perf_counter() - t0
+        return self.run(inputs, compute_logits)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
         """request_id -> sampled token (choice 0's first) of each sequence (logits: its rows, in seqs order)."""

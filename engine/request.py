@@ -127,7 +127,9 @@ class KVPull:
 class StepResult:
     """What one step produced. ``stalled``: nothing ran and nothing changed (requests wait for
     blocks or KV pulls while nothing runs), so until a request is added, aborted, released or its
-    KV arrives, the next step would do the same; the loop may wait instead of stepping again."""
+    KV arrives, the next step would do the same; the loop may wait instead of stepping again.
+    ``kind``: what the model ran (engine.step_timing.STEP_KINDS: decode, prefill or empty)."""
     outputs: list[RequestOutput]
     kv_pulls: list[KVPull]
     stalled: bool = False
+    kind: str = "empty"

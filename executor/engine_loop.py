@@ -52,6 +52,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from engine.request import RequestOutput
+from engine.step_timing import LOOP_KINDS, StageClock
 from executor.engine_client import EngineNotServingError, EngineState
 from executor.ipc import lane_of
 from executor.kv_role import RankShards, WorkerRole
@@ -66,6 +67,11 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1        # longest wait for a command while the engine cannot step (anything arriving ends it)
 STATS_PERIOD_S = 0.25    # how often a changed stats snapshot is pushed to every lane
+# The stages of one iteration timed by EngineLoop.clock: the wait for commands (0 when the engine
+# can step), applying commands and posted callbacks, engine.step() (move_out included), the role's
+# hooks and emits for the step's pulls and outputs, and pushing stats / KV events / every lane's
+# events (encoding and sending included). Kept by kind: the step's (engine.step_timing), or idle.
+LOOP_STAGES = ("wait", "commands", "step", "hooks", "flush")
 
 
 class Transport(Protocol):
@@ -109,6 +115,7 @@ class EngineLoop:
         self._moving = False   # drained with move_kv: movable requests leave at their next decode step
         self._last_stats: dict | None = None
         self._last_stats_t = 0.0
+        self.clock = StageClock(LOOP_STAGES, LOOP_KINDS)  # where an iteration's wall time goes (stats: loop_*)
         self._handlers: dict[type, Callable] = {
             AddRequest: self._add, AbortRequest: self._abort, ReleaseLease: self._release,
             StatsQuery: self._stats_query, ResetPrefixCache: self._reset_prefix_cache,
@@ -132,18 +139,25 @@ class EngineLoop:
     def run(self) -> None:
         """Serve until a :class:`Shutdown`. A failure propagates; the role is stopped either way."""
         try:
+            clock = self.clock
             while not self._stopping:
+                clock.start()
                 can_step = self.engine.has_work() and not self._stalled
                 commands = self.transport.receive(0.0 if can_step else self.idle_wait_s)
+                clock.lap("wait")
                 for cmd in commands:
                     self._apply(cmd)
                 if self._run_posted() or commands:
                     self._stalled = False
+                clock.lap("commands")
+                kind = "idle"
                 if not self._stopping and self.engine.has_work() and not self._stalled:
-                    self._step()
+                    kind = self._step()
                 self._push_stats()
                 self._push_kv_events()
                 self._flush()
+                clock.lap("flush")
+                clock.commit(kind)
         finally:
             self.role.stop()
 
@@ -167,10 +181,12 @@ class EngineLoop:
             fn()
             n += 1
 
-    def _step(self) -> None:
+    def _step(self) -> str:
+        """One engine step and its hooks; returns the step's kind (engine.step_timing.STEP_KINDS)."""
         if self._moving:  # every iteration: requests still pulling or prefilling move once they decode
             self.engine.move_out()
         result = self.engine.step()
+        self.clock.lap("step")
         for pull in result.kv_pulls:
             self.role.on_pull(pull)
         ran = self._run_posted()  # a role may have queued items (e.g. a failure) for these requests
@@ -179,6 +195,8 @@ class EngineLoop:
             self._run_posted()  # a KVHandoff must reach the frontend before the final output
             self._emit(out.request_id, out)
         self._stalled = result.stalled and not ran
+        self.clock.lap("hooks")
+        return result.kind
 
     # ---- commands -------------------------------------------------------------------------
     def _apply(self, cmd: Command) -> None:
@@ -260,12 +278,13 @@ class EngineLoop:
         now = time.monotonic()
         if now - self._last_stats_t < self.stats_period_s and self._last_stats is not None:
             return
-        stats = self._stats()
+        stats = self._stats(timing=False)  # the loop clock moves even while idle: not a change
         self._last_stats_t = now
         if stats != self._last_stats:
             self._last_stats = stats
+            snapshot = {**stats, **self.clock.snapshot("loop")}
             for lane in range(self.transport.num_lanes):
-                self._out[lane].append(StatsSnapshot(stats))
+                self._out[lane].append(StatsSnapshot(snapshot))
 
     def _push_kv_events(self) -> None:
         batch = self.engine.take_kv_events()
@@ -273,9 +292,10 @@ class EngineLoop:
             for lane in range(self.transport.num_lanes):
                 self._out[lane].append(KVEvents(batch))
 
-    def _stats(self) -> dict:
-        return {**self.engine.stats(), "running_requests": len(self._owner), "state": self.state.value,
-                **self.transport.stats(), **self.role.stats()}
+    def _stats(self, timing: bool = True) -> dict:
+        stats = {**self.engine.stats(), "running_requests": len(self._owner), "state": self.state.value,
+                 **self.transport.stats(), **self.role.stats()}
+        return {**stats, **self.clock.snapshot("loop")} if timing else stats
 
     def _flush(self) -> None:
         for lane, events in self._out.items():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.step_timing import LOOP_KINDS, STEP_KINDS
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
@@ -98,6 +100,7 @@ class RoleStatsCollector:
         for key, (name, doc) in self._COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
+        yield from _stage_counters(stats)
         if "cached_blocks" in stats:
             yield GaugeMetricFamily("pdserve_kv_cache_cached_blocks",
                                     "KV blocks held by the prefix cache (referenced or evictable)",
@@ -111,3 +114,35 @@ class RoleStatsCollector:
                                     value=stats["device_memory_used_bytes"])
         if "parked_leases" in stats:
             yield GaugeMetricFamily("pdserve_kv_parked_leases", "Parked KV leases", value=stats["parked_leases"])
+
+
+_STAGE_CLOCKS = {  # stats prefix (engine.step_timing.StageClock.snapshot) -> kinds, metric names and help
+    "step": (STEP_KINDS, "pdserve_engine_steps", "Engine steps run, by kind (engine.step_timing.STEP_KINDS)",
+             "pdserve_engine_step_stage_seconds",
+             "Wall seconds of engine steps by kind and stage (engine.llm_engine.STEP_STAGES)"),
+    "loop": (LOOP_KINDS, "pdserve_engine_loop_iterations",
+             "Engine loop iterations, by the kind of step they ran (idle: none)",
+             "pdserve_engine_loop_stage_seconds",
+             "Wall seconds of engine loop iterations by kind and stage (executor.engine_loop.LOOP_STAGES)"),
+}
+
+
+def _stage_counters(stats: dict):
+    """The step and loop stage clocks of a stats snapshot (``{prefix}_{kind}_count``,
+    ``{prefix}_{kind}_{stage}_s``) as counters labelled ``kind`` (and ``stage``)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    for prefix, (kinds, count_name, count_doc, seconds_name, seconds_doc) in _STAGE_CLOCKS.items():
+        counts = CounterMetricFamily(count_name, count_doc, labels=["kind"])
+        seconds = CounterMetricFamily(seconds_name, seconds_doc, labels=["kind", "stage"])
+        for kind in kinds:
+            head = f"{prefix}_{kind}_"
+            if head + "count" not in stats:
+                continue
+            counts.add_metric([kind], stats[head + "count"])
+            for key, value in stats.items():
+                if key.startswith(head) and key.endswith("_s"):
+                    seconds.add_metric([kind, key[len(head):-2]], value)
+        if counts.samples:
+            yield counts
+            yield seconds
