@@ -17,6 +17,7 @@ import time
 
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, RequestOutput
+from executor.logprobs_format import to_wire
 from executor.kv_role import KVHandoff, RankShards, WorkerOps, WorkerRole
 from ctx_worker.lease_waits import LeaseWaits
 from engine.errors import RequestValidationError
@@ -48,7 +49,7 @@ class CtxKVRole(WorkerRole):
         self.settings, self.layout, self.host, self.port = settings, layout, host, port
         self.pull_delay_s = pull_delay_s
         self._pending: dict[str, tuple[str | None, list[int], str | None]] = {}  # id -> (disagg id, prompt, salt)
-        self._first: dict[str, dict[int, list[int]]] = {}  # n > 1: id -> choice index -> its first token
+        self._first: dict[str, dict[int, RequestOutput]] = {}  # n > 1: id -> choice index -> its first output
         self._sent = TransferStats()
         self.leases: LeaseTable | None = None
         self.servers: list[KVServer] = []  # one per TP rank's shard, all on one lease table
@@ -98,9 +99,10 @@ class CtxKVRole(WorkerRole):
 
     def on_output(self, out: RequestOutput) -> None:
         if not out.finished:  # n > 1: an earlier choice of the request (engine.choices)
-            self._first.setdefault(out.request_id, {})[out.index] = list(out.new_token_ids)
+            self._first.setdefault(out.request_id, {})[out.index] = out
             return
-        firsts = {**self._first.pop(out.request_id, {}), out.index: list(out.new_token_ids)}
+        outs = {**self._first.pop(out.request_id, {}), out.index: out}
+        firsts = {i: list(o.new_token_ids) for i, o in outs.items()}
         disagg_id, prompt, salt = self._pending.pop(out.request_id, (None, [], None))
         # parked iff the request goes on: n > 1 parks when any choice does, whatever this one's finish_reason
         if out.parked_block_ids is None:
@@ -119,10 +121,24 @@ class CtxKVRole(WorkerRole):
             kv_endpoints=[s.endpoint for s in self.servers], kv_layouts=self.shard_layouts,
             kv_block_count=blocks_for_tokens(num_tokens, self.layout.block_size),
             lease_deadline=time.time() + lease_s, cached_tokens=out.num_cached_tokens,
-            kv_block_hashes=[h.hex() for h in self.hasher.hashes(prompt, salt)])
+            kv_block_hashes=[h.hex() for h in self.hasher.hashes(prompt, salt)],
+            **self._logprobs_of([outs[i] for i in sorted(outs)]))
         self.ops.deliver(out.request_id, KVHandoff(out.request_id, params))
         if disagg_id is not None:
             self.waits.settle(disagg_id, LeaseWaitAnswer(state="parked", disaggregated_params=params))
+
+    @staticmethod
+    def _logprobs_of(outs: list[RequestOutput]) -> dict:
+        """``first_gen_logprobs`` (one per first token, choices in order) and ``prompt_logprobs``
+        of a parked request's outputs, when it asked for them: a generation_first gen server gets
+        them only here (the lease wait's answer), a context_first one from the ctx answer."""
+        extra: dict = {}
+        if all(o.new_logprobs is not None for o in outs):
+            extra["first_gen_logprobs"] = to_wire([lp for o in outs for lp in o.new_logprobs])
+        prompt_lp = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+        if prompt_lp is not None:
+            extra["prompt_logprobs"] = to_wire(prompt_lp)
+        return extra
 
     def _settle_unparked(self, out: RequestOutput, disagg_id: str | None) -> None:
         """A context phase that ended without parking: nothing for a gen server to pull."""

@@ -64,7 +64,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int) -> torch
 
 
 def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """q: [D, heads, hd] -> [D, heads, hd].
 
     GQA without copies: the `group` query heads that share a KV head become that head's
@@ -77,12 +77,12 @@ def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     k = _gather(cache_k, meta.decode_tables, meta.decode_max_ctx)   # [D, kvh, S, hd]
     v = _gather(cache_v, meta.decode_tables, meta.decode_max_ctx)
     out = F.scaled_dot_product_attention(q.view(d, kvh, heads // kvh, hd), k, v,
-                                         attn_mask=meta.decode_mask)
+                                         attn_mask=meta.decode_mask, scale=scale)
     return out.reshape(d, heads, hd)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-             cache_v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+             cache_v: torch.Tensor, chunk: PrefillChunk, scale: float | None = None) -> torch.Tensor:
     """q: [L, heads, hd], k/v: [L, kvh, hd] of this chunk -> [L, heads, hd].
 
     4-D inputs with enable_gqa: on CPU they take SDPA's flash kernel, 3-D ones the math path
@@ -95,22 +95,24 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.T
         vs = _gather(cache_v, chunk.block_ids, chunk.ctx_len)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks[None], vs[None],
                                          attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                         enable_gqa=True)
+                                         enable_gqa=True, scale=scale)
     return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-                    cache_v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                    cache_v: torch.Tensor, meta: AttentionMetadata,
+                    scale: float | None = None) -> torch.Tensor:
     """Write this step's k/v into the cache, then attend.
 
     q: [T, heads, hd]; k, v: [T, kv_heads, hd]; cache_k/v: [num_blocks, block_size, kv_heads, hd]
-    views of one layer. Returns [T, heads, hd].
+    views of one layer. scale: the factor of q.k before the softmax (None: SDPA's 1/sqrt(hd);
+    Gemma 3: query_pre_attn_scalar ** -0.5). Returns [T, heads, hd].
     """
     write_kv(cache_k, cache_v, k, v, meta)
     parts = []
     if meta.num_decodes:
-        parts.append(_decode(q[:meta.num_decodes], cache_k, cache_v, meta))
+        parts.append(_decode(q[:meta.num_decodes], cache_k, cache_v, meta, scale))
     for chunk in meta.prefills:
         s = slice(chunk.start, chunk.start + chunk.length)
-        parts.append(_prefill(q[s], k[s], v[s], cache_k, cache_v, chunk))
+        parts.append(_prefill(q[s], k[s], v[s], cache_k, cache_v, chunk, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

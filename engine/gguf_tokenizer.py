@@ -50,7 +50,7 @@ def tokenizer_doc(meta: dict[str, Any]) -> dict[str, Any]:
                   "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
                   "byte_fallback": False, "ignore_merges": False,
                   "vocab": {t: i for i, t in enumerate(tokens)},
-                  "merges": [m.split(" ", 1) for m in meta["tokenizer.ggml.merges"]]},
+                  "merges": [m.split(" ", 1) for m in meta.get("tokenizer.ggml.merges", [])]},
     }
     return doc
 

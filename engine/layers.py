@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_linear import packed_linear
-from engine.rope import RopeScaling, inv_freq
+from engine.rope import LinearScaling, RopeScaling, inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +20,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
+def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x [..., H] -> [..., H] (x.dtype), normalized and scaled in float32 and cast
+    last (HF's Gemma3RMSNorm: `(x * rsqrt(mean(x^2) + eps)) * (1 + w)`, then `.type_as(x)`).
+
+    scale: float32 [H], the checkpoint's w already offset: `1 + w` (engine.gemma3 stores it so).
+    """
+    return F.rms_norm(x.float(), x.shape[-1:], scale, eps).to(x.dtype)
+
+
 class RotaryTable:
     """RoPE cos and sign-folded sin tables [P, head_dim] for positions 0..P-1, built once and
     grown (doubling) when a step needs a later position, instead of recomputed every step.
@@ -31,7 +40,7 @@ class RotaryTable:
     """
 
     def __init__(self, head_dim: int, theta: float, dtype: torch.dtype, size: int = 4096,
-                 scaling: RopeScaling | None = None):
+                 scaling: RopeScaling | LinearScaling | None = None):
         self.head_dim, self.theta, self.dtype, self.scaling = head_dim, theta, dtype, scaling
         self.cos = self.sin = torch.empty(0)
         self._size = size
@@ -88,3 +97,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2*I] (gate then up) -> silu(gate) * up: [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2*I] (gate then up) -> gelu_tanh(gate) * up: [T, I] (Gemma's MLP; HF's
+    `gelu_pytorch_tanh` is torch's tanh-approximated GELU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(x / cap) * cap, elementwise in x.dtype (Gemma's logit soft-capping; HF's order)."""
+    return torch.tanh(x / cap) * cap

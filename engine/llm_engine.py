@@ -22,6 +22,7 @@ from engine.kv_sizing import resolve_num_kv_blocks
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
+from engine.logprobs import TokenLogprob
 from engine.request import EngineRequest, MovedKV, Phase, RequestOutput, StepResult
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -240,12 +241,16 @@ class LLMEngine:
                 self._finish(member, "abort")
 
     def kv_ready(self, request_id: str, ok: bool, first_token_ids: list[int] | None = None,
-                 num_cached_tokens: int | None = None) -> None:
+                 num_cached_tokens: int | None = None, first_token_logprobs: list[TokenLogprob] | None = None,
+                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         """GENERATION_ONLY: the KVPull blocks hold the prompt KV (ok) or the pull failed (the
         connector's worker side reports it; see engine.kv_connector).
 
         ``first_token_ids`` / ``num_cached_tokens`` (the ctx server's first sample and prefix-cache
-        hit) are given here for a request submitted with ``first_tokens_later`` (generation_first).
+        hit) and ``first_token_logprobs`` / ``prompt_logprobs`` (the ctx server's logprobs of them
+        and of the prompt, when the request asks for logprobs / completions ``echo``) are given
+        here for a request submitted with ``first_tokens_later`` (generation_first); None keeps
+        what the request was submitted with.
         """
         connector = self.scheduler.connector
         seq = connector.loading.get(request_id) if connector is not None else None
@@ -258,6 +263,10 @@ class LLMEngine:
             seq.first_token_ids = list(first_token_ids)
         if num_cached_tokens is not None:
             seq.num_cached_tokens = num_cached_tokens
+        if first_token_logprobs is not None:
+            seq.first_token_logprobs = list(first_token_logprobs)
+        if prompt_logprobs is not None and seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = list(prompt_logprobs)
         self.scheduler.kv_arrived(request_id)
         logprobs = seq.first_token_logprobs if seq.sampling.logprobs is not None else []
         picks = [(t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(seq.first_token_ids)]

@@ -1,4 +1,5 @@
-"""Load a LlamaModel from a model spec (alias, .gguf file, HF directory)."""
+"""Load a model (LlamaModel, or Gemma3Model for Gemma 3) from a model spec (alias, .gguf file,
+HF directory)."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from engine.gemma3 import Gemma3Model
 from engine.gguf_file import load_gguf
 from engine.hf_files import load_hf_dir
 from engine.model import LlamaModel
@@ -17,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def load_model(spec: str, dtype: torch.dtype, tp: TPContext = NO_TP,
-               device: str = "cpu", pack_cpu_linears: bool = False) -> tuple[LlamaModel, Path]:
+               device: str = "cpu", pack_cpu_linears: bool = False
+               ) -> tuple[LlamaModel | Gemma3Model, Path]:
     """Return (model with weights in dtype on device, resolved path). Raises FileNotFoundError/ValueError.
 
     With TP every rank reads the whole checkpoint and keeps its shard. pack_cpu_linears: reorder
@@ -29,6 +32,7 @@ def load_model(spec: str, dtype: torch.dtype, tp: TPContext = NO_TP,
     if device != "cpu":  # move once, already in dtype: the model's own .to(dtype) are then no-ops
         state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
                  for k, v in state.items()}
-    model = LlamaModel(config, state, dtype, tp, pack_cpu_linears=pack_cpu_linears and device == "cpu")
+    cls = Gemma3Model if config.architecture == "gemma3" else LlamaModel
+    model = cls(config, state, dtype, tp, pack_cpu_linears=pack_cpu_linears and device == "cpu")
     log.info("weights of %s loaded in %.2f s", path.name, time.perf_counter() - t0)
     return model, path

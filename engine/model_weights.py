@@ -77,10 +77,11 @@ class StateReader:
             raise ValueError(f"{len(left)} weights the engine does not implement, e.g. {left[:5]}")
 
 
-def layer_weights(state: StateReader, i: int, dtype: torch.dtype, sh: Shard,
-                  qk_norm: bool) -> LayerWeights:
-    """Column-parallel q/k/v and gate/up (rows), row-parallel o_proj and down (columns).
-    Raises KeyError when a weight of layer i is missing (q_norm/k_norm when qk_norm)."""
+def projections(state: StateReader, i: int, dtype: torch.dtype,
+                sh: Shard) -> dict[str, torch.Tensor | None]:
+    """Layer i's linear weights cut to shard sh, as LayerWeights fields: column-parallel q/k/v
+    (`qkv`, `qkv_bias`) and gate/up (`gate_up`), row-parallel `o_proj` (+ `o_bias`) and `down`.
+    Raises KeyError when one is missing."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
     rows = {"q": sh.q, "k": sh.kv, "v": sh.kv}
@@ -88,17 +89,28 @@ def layer_weights(state: StateReader, i: int, dtype: torch.dtype, sh: Shard,
     if a + "q_proj.bias" in state:
         qkv_bias = torch.cat([state[a + n + "_proj.bias"][rows[n]] for n in "qkv"]).to(dtype)
     o_bias = state.optional(a + "o_proj.bias")
-    return LayerWeights(
-        attn_norm=state[p + "input_layernorm.weight"].to(dtype),
+    return dict(
         qkv=torch.cat([state[a + n + "_proj.weight"][rows[n]] for n in "qkv"])
         .to(dtype).contiguous(),
         qkv_bias=qkv_bias,
         o_proj=state[a + "o_proj.weight"][:, sh.q].to(dtype).contiguous(),
         o_bias=None if o_bias is None else o_bias.to(dtype),
-        mlp_norm=state[p + "post_attention_layernorm.weight"].to(dtype),
         gate_up=torch.cat([state[p + "mlp.gate_proj.weight"][sh.ffn],
                            state[p + "mlp.up_proj.weight"][sh.ffn]]).to(dtype).contiguous(),
         down=state[p + "mlp.down_proj.weight"][:, sh.ffn].to(dtype).contiguous(),
+    )
+
+
+def layer_weights(state: StateReader, i: int, dtype: torch.dtype, sh: Shard,
+                  qk_norm: bool) -> LayerWeights:
+    """Layer i of a Llama-family model (projections() plus its norms). Raises KeyError when a
+    weight of layer i is missing (q_norm/k_norm when qk_norm)."""
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    return LayerWeights(
+        attn_norm=state[p + "input_layernorm.weight"].to(dtype),
+        mlp_norm=state[p + "post_attention_layernorm.weight"].to(dtype),
         q_norm=state[a + "q_norm.weight"].to(dtype) if qk_norm else None,
         k_norm=state[a + "k_norm.weight"].to(dtype) if qk_norm else None,
+        **projections(state, i, dtype, sh),
     )

@@ -1,4 +1,5 @@
-"""RoPE frequencies: the default schedule and Llama 3.x's `llama3` rope scaling.
+"""RoPE frequencies: the default schedule, Llama 3.x's `llama3` rope scaling and the `linear` type
+(Gemma 3's global layers; only Gemma 3's config reader parses it: parse_linear_scaling).
 
 Formula of the `llama3` type: Meta's Llama 3.1 release (`apply_scaling` in the llama-models
 reference code), as HF transformers applies it to config.json's `rope_scaling` /
@@ -10,6 +11,9 @@ L = original_max_position_embeddings tokens, factors a = low_freq_factor, b = hi
 * between: (1 - s) * f_i / factor + s * f_i with s = (L / w_i - a) / (b - a).
 
 The attention scaling of this type is 1 (cos and sin are not rescaled).
+
+The `linear` type (HF transformers' `_compute_linear_scaling_rope_parameters`, position
+interpolation): every f_i / factor, attention scaling 1.
 """
 from __future__ import annotations
 
@@ -59,6 +63,33 @@ def parse_rope_scaling(params: dict[str, Any] | None) -> RopeScaling | None:
         raise ValueError(f"rope_scaling type 'llama3' lacks {e.args[0]!r}") from None
 
 
+@dataclass(frozen=True)
+class LinearScaling:
+    """`linear` rope scaling: every frequency divided by factor (> 0)."""
+
+    factor: float
+
+
+def parse_linear_scaling(params: dict[str, Any] | None) -> LinearScaling | None:
+    """A `rope_scaling` / `rope_parameters` entry of type `default` or `linear` -> LinearScaling,
+    or None for the default schedule. Raises ValueError for any other type, a partial rotary
+    factor, or a linear entry without a positive `factor`."""
+    params = params or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {params['partial_rotary_factor']} "
+                         "(only full rotary embeddings)")
+    if kind not in ("default", "linear"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear)")
+    if kind == "default":
+        return None
+    factor = float(params.get("factor") or 0.0)
+    if factor <= 0:
+        raise ValueError("rope_scaling type 'linear' needs a factor > 0, "
+                         f"got {params.get('factor')}")
+    return LinearScaling(factor)
+
+
 def default_inv_freq(head_dim: int, theta: float,
                      device: torch.device | None = None) -> torch.Tensor:
     """[head_dim // 2] float32: 1 / theta^(2i / head_dim) (HF's order of operations)."""
@@ -66,12 +97,14 @@ def default_inv_freq(head_dim: int, theta: float,
     return 1.0 / (theta ** exps)
 
 
-def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
+def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | LinearScaling | None,
              device: torch.device | None = None) -> torch.Tensor:
     """[head_dim // 2] float32 rotary frequencies (radians per position), scaled when given."""
     freq = default_inv_freq(head_dim, theta, device)
     if scaling is None:
         return freq
+    if isinstance(scaling, LinearScaling):
+        return freq / scaling.factor
     s = scaling
     old_len = s.original_max_position_embeddings
     low_wavelen = old_len / s.low_freq_factor       # longer waves: divided by factor

@@ -22,6 +22,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.request import EngineRequest, KVPull, RequestOutput
+from executor.logprobs_format import from_wire
 from executor.kv_role import KVMoved, KVTransferDone, RankShards, WorkerOps, WorkerRole
 from executor.phases import PhaseError
 from gen_worker.kv_park import KVParking
@@ -136,8 +137,11 @@ class GenKVRole(WorkerRole):
         elif not aborted:
             self.ops.deliver(rid, KVTransferDone(rid, nbytes, seconds))
         ok = error is None and not aborted
-        first, cached = list(src.first_gen_tokens or []), src.cached_tokens  # generation_first: known only now
-        self.ops.post(lambda engine: engine.kv_ready(rid, ok, first_token_ids=first, num_cached_tokens=cached))
+        # generation_first: the first tokens, their logprobs and the prompt's are known only now
+        first, cached = list(src.first_gen_tokens or []), src.cached_tokens
+        first_lp, prompt_lp = from_wire(src.first_gen_logprobs), from_wire(src.prompt_logprobs)
+        self.ops.post(lambda engine: engine.kv_ready(rid, ok, first_token_ids=first, num_cached_tokens=cached,
+                                                     first_token_logprobs=first_lp, prompt_logprobs=prompt_lp))
 
     def _pull_shards(self, src: DisaggregatedParams, dst: list[int], first: int) -> int:
         """Pull every gen rank's heads of the ctx lease blocks ``first ..`` into ``dst`` from the ctx

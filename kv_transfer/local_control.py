@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -30,6 +31,25 @@ from kv_transfer.wire import KVTransferError, recv_msg, send_msg
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64  # one per concurrent pull of each same-host gen client (4 each today)
+# How long a side polls (without blocking) for the frame it expects next: the gen side for the
+# answer to its pull, the ctx side for the ``done`` after answering one. A thread blocked in recv
+# must be woken by the sender, which on this VM costs the *sender* ~15-20 us per send (the wake-up
+# IPI) and the receiver its wake-up latency; a polling receiver costs neither. An answer takes
+# ~60-100 us and a 1 MiB read ~60 us, so 300 us covers both for small pulls; past it the side
+# blocks as before. Measured in docs/benchmarks.md (same-host pull latency).
+SPIN_S = 300e-6
+# Spinning pays only while the polling thread keeps its CPU and the GIL and the frame comes within
+# the budget: a poll iteration then takes ~1-2 us. An iteration that took longer than STALL_S
+# (the thread waited for the GIL: another thread of this process runs Python, the engine or other
+# pulls; or for a CPU: a loaded host), or a budget spent without the frame, is a *miss*: the spin
+# only took CPU from the thread that was to send the frame. With an engine decoding in the same
+# process, on a loaded host, 1 MiB pulls took ~2.4-3.5 ms p50 polling vs ~0.6-0.9 ms blocking
+# (bench/poll_cost.py, docs/benchmarks.md). So a miss ends the poll at once and its Poller blocks
+# at once for BACKOFF_S, twice as long after each further miss (a loaded host stays loaded), at
+# most MAX_BACKOFF_S; a poll that sees its frame in time starts the count again.
+STALL_S = 100e-6
+BACKOFF_S = 0.1
+MAX_BACKOFF_S = 5.0
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 Reply = Callable[[dict], None]
@@ -45,10 +65,12 @@ class LocalControlServer:
     Args:
         handler: ``handler(msg, reply)`` for each frame received; ``reply(frame)`` answers on the
             same connection. Called on the connection's thread; exceptions are logged and end that
-            connection only.
+            connection only. A true result means another frame from the same client is due at
+            once (a ``done`` after a pull answer): the thread polls for it for up to
+            :data:`SPIN_S` before it blocks (:class:`Poller`, one for all connections).
     """
 
-    def __init__(self, handler: Callable[[dict, Reply], None]) -> None:
+    def __init__(self, handler: Callable[[dict, Reply], bool | None]) -> None:
         self.name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
         self._handler = handler
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -57,6 +79,7 @@ class LocalControlServer:
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._poller = Poller()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-local-accept", daemon=True)
 
     def start(self) -> None:
@@ -103,7 +126,8 @@ class LocalControlServer:
                     msg = recv_msg(sock)
                 except KVTransferError:
                     return  # the gen side closed the connection (or sent a bad frame)
-                self._handler(msg, reply)
+                if self._handler(msg, reply):
+                    self._poller.wait(sock, SPIN_S)  # its ``done`` follows within microseconds
         except OSError as err:
             log.info("same-host KV control connection ended: %s", err)
         except Exception:  # noqa: BLE001 - one bad message ends its connection, never the server
@@ -115,11 +139,13 @@ class LocalControlServer:
 
 
 class LocalControlClient:
-    """Connected sockets to same-host ctx servers, pooled per socket name (LIFO, one per pull)."""
+    """Connected sockets to same-host ctx servers, pooled per socket name (LIFO, one per pull), and
+    the :class:`Poller` its pulls share (``poller``: pass it to :func:`exchange`)."""
 
     def __init__(self) -> None:
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
+        self.poller = Poller()
 
     def acquire(self, name: str, timeout_s: float) -> socket.socket:
         """An idle connection to ``name`` or a new one. Raises ``OSError`` when none can be made
@@ -161,22 +187,72 @@ class LocalControlClient:
                 sock.close()
 
 
-def exchange(sock: socket.socket, msg: dict, deadline: float) -> dict:
-    """Send ``msg`` and read one answer by ``deadline`` (``time.monotonic``).
+def exchange(sock: socket.socket, msg: dict, deadline: float, poller: Poller | None = None) -> dict:
+    """Send ``msg`` and read one answer by ``deadline`` (``time.monotonic``), polling for it first
+    (``poller``, for up to :data:`SPIN_S`; None: block at once).
 
     Raises:
         TimeoutError: the deadline passed.
-        OSError / KVTransferError: the connection failed or the answer is malformed.
+        ConnectionError: the ctx side closed the connection before answering (its process died,
+            or its connection thread ended) or sent a malformed frame.
+        OSError: the connection failed otherwise.
     """
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("the pull's deadline passed before it was sent")
     sock.settimeout(left)
     send_msg(sock, msg)
+    if poller is not None:
+        poller.wait(sock, min(SPIN_S, left))
     try:
         return recv_msg(sock)
     except socket.timeout:
         raise TimeoutError("no answer from the ctx side before the deadline") from None
+    except KVTransferError as err:  # EOF or a bad frame: an OSError, so the caller names the pull
+        raise ConnectionError(f"no answer from the ctx side: {err}") from None
+
+
+class Poller:
+    """The bounded poll before a blocking read, switched off for a while when it does not pay.
+
+    :meth:`wait` polls a socket without blocking (``poll`` with a 0 timeout, GIL released in each
+    call) and yields the CPU between polls (``sched_yield``: a peer thread that shares this CPU,
+    e.g. the one about to send the awaited frame, runs first). A miss (an iteration longer than
+    :data:`STALL_S`, or the budget spent, without the frame) ends the poll and makes every
+    ``wait`` of the next :attr:`backoff_s` return at once (:data:`BACKOFF_S`, doubled per further
+    miss up to :data:`MAX_BACKOFF_S`; a poll that sees its frame resets it). Shared by threads: a
+    racing update only moves the end of a backoff.
+    """
+
+    def __init__(self) -> None:
+        self._quiet_until = 0.0  # time.perf_counter(): no polling before it
+        self.backoff_s = 0.0  # the length of the last backoff; 0 once a poll saw its frame
+        self.misses = 0  # polls that ended without their frame (each started a backoff)
+
+    def wait(self, sock: socket.socket, budget_s: float) -> bool:
+        """Poll ``sock`` for up to ``budget_s`` seconds; True once it is readable (data or EOF),
+        False after a miss or while backing off. Reading is left to the caller, which then
+        blocks as usual."""
+        start = time.perf_counter()
+        if budget_s <= 0 or start < self._quiet_until:
+            return False
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        end, last = start + budget_s, start
+        while not poller.poll(0):
+            now = time.perf_counter()
+            if now - last > STALL_S or now >= end:
+                self._miss(now)
+                return False
+            os.sched_yield()
+            last = now
+        self.backoff_s = 0.0
+        return True
+
+    def _miss(self, now: float) -> None:
+        self.backoff_s = min(MAX_BACKOFF_S, max(BACKOFF_S, 2 * self.backoff_s))
+        self._quiet_until = now + self.backoff_s
+        self.misses += 1
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -79,6 +79,10 @@ CTRL_TAG = 0xC7A1_0000_0000_0001  # ctx workers receive requests here; gen tag b
 _SEQ_BITS = 24
 ACK = (1 << _SEQ_BITS) - 1  # offset of the release ack; segments use offsets 1 .. ACK - 1
 GRACE_S = 2.0  # a pin outlives the gen side's deadline by this much (one chunk's copy, clock skew)
+# After answering a same-host pull of at most this many bytes the connection thread polls for its
+# ``done`` (kv_transfer.local_control.SPIN_S); a larger read (~10 GB/s here) takes longer than
+# that poll, which would only burn CPU and count as a miss (a backoff of the next polls).
+POLL_DONE_BYTES = 2 << 20
 
 
 _SEAL_BYTES = 8
@@ -140,6 +144,8 @@ class UcxKVServer:
         on_sent: ``(bytes, seconds)`` after each served pull.
         same_host_reads: let same-host gen servers read the cache with ``process_vm_readv``
             (:func:`kv_transfer.cma.allow_readers` at start); False: bytes always go as UCX messages.
+            Ignored (bytes go as messages) for a cache that is not contiguous host memory: the
+            readers address a run of blocks as one range from the cache's base pointer.
     """
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseTable,
@@ -149,8 +155,17 @@ class UcxKVServer:
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.on_sent = on_sent or (lambda nbytes, seconds: None)
         self._bytes_per_block = bytes_per_block(layout)
+        # Block i starts at _cache_ptr + i * _block_stride and a run of blocks is one range:
+        # true of a contiguous cache only (the engine's); a view (a slice of heads or layers, every
+        # other block) would be read as other bytes, so its blocks go as messages (.contiguous()).
+        self._cache_ptr = kv_cache.data_ptr()
+        self._block_stride = kv_cache.stride(0) * kv_cache.element_size()
+        readable = kv_cache.is_contiguous() and not kv_cache.is_cuda
+        if same_host_reads and not readable:
+            log.info("KV cache %s is not contiguous host memory: same-host pulls get its blocks as UCX messages",
+                     tuple(kv_cache.shape))
         self._layout_dump = layout.model_dump()
-        self._host_id = cma.host_identity() if same_host_reads else ""
+        self._host_id = cma.host_identity() if same_host_reads and readable else ""
         self._identity = (os.getpid(), proc_start_time(os.getpid()))  # a recycled pid cannot pass for us
         self._worker = Worker(progress_thread=False)  # progressed by the control loop
         self._peers = EndpointCache(self._worker, capacity=256)
@@ -297,25 +312,33 @@ class UcxKVServer:
             self._worker.adopt([self._worker.send(conn, frame(msg), base)])
         return reply
 
-    def _on_local(self, msg: dict, reply: Callable[[dict], None]) -> None:
+    def _on_local(self, msg: dict, reply: Callable[[dict], None]) -> bool:
         """A frame on the same-host control socket (:mod:`kv_transfer.local_control`): a same-host
-        pull, answered there, or its ``done``. The pins and deadlines are those of a UCX pull."""
+        pull, answered there, or its ``done``. The pins and deadlines are those of a UCX pull.
+        Returns True when a pull of at most :data:`POLL_DONE_BYTES` was answered (its ``done`` is
+        due within the connection thread's poll)."""
         received = time.monotonic()
         if msg.get("op") == "done":
             self._on_done(msg)
-            return
+            return False
         try:
             base = int(msg["tag"])
             if base & ACK or not 0 < base < 1 << 63:
                 raise ValueError(f"bad tag base {base:#x}")
         except (KeyError, ValueError, TypeError) as err:
             reply({"ok": False, "error": f"bad KV request: {err}"})
-            return
+            return False
         if msg.get("op") != "pull" or msg.get("host") != self._host_id:
             reply({"ok": False, "error": "the same-host control socket serves same-host pulls only", "tag": base})
-            return
+            return False
         deadline, hold_until = self._deadlines(msg, received)
-        self._serve_pull(lambda answer, fast=False: reply({**answer, "tag": base}), base, msg, deadline, hold_until)
+        answered = []
+
+        def answer_pull(answer: dict, fast: bool = False) -> None:
+            answered.append(answer.get("ok") is True and answer.get("bytes", 0) <= POLL_DONE_BYTES)
+            reply({**answer, "tag": base})
+        self._serve_pull(answer_pull, base, msg, deadline, hold_until)
+        return any(answered)
 
     def _serve_pull(self, reply: Reply, base: int, msg: dict, deadline: float, hold_until: float,
                     conn: Conn | None = None) -> None:
@@ -358,9 +381,11 @@ class UcxKVServer:
     def _answer_direct(self, reply: Reply, answer: dict, segments: list[Segment]) -> None:
         """Same host: tell the gen side where the blocks are (and where this server's same-host
         control socket listens); it reads them and confirms (``done``)."""
-        row = self._bytes_per_block
+        row, base, stride = self._bytes_per_block, self._cache_ptr, self._block_stride
         answer["pid"], answer["pid_start"] = self._identity
-        answer["src_addrs"] = [[self.kv_cache[s.src_start].data_ptr(), s.count * row] for s in segments]
+        # Addresses by arithmetic on the contiguous cache (indexing the tensor per segment cost
+        # ~10 us of a ~250 us pull).
+        answer["src_addrs"] = [[base + s.src_start * stride, s.count * row] for s in segments]
         if self._local is not None:
             answer["local_control"] = self._local.name
         reply(answer, fast=True)

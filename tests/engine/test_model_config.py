@@ -7,7 +7,7 @@ import torch
 
 from engine.model import LlamaModel
 from engine.model_config import model_config_from_hf
-from engine.rope import RopeScaling, inv_freq
+from engine.rope import LinearScaling, RopeScaling, inv_freq
 
 BASE = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
@@ -98,3 +98,117 @@ def test_weights_the_forward_would_ignore_are_refused(tiny_dir):
         LlamaModel(config, extra, torch.float32)
     derived = {**state, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)}
     LlamaModel(config, derived, torch.float32)                # recomputed buffers are fine
+
+
+# ---- Gemma 3 (gemma3_text): both file forms, read as HF transformers reads them ---------------
+GEMMA3_BASE = dict(model_type="gemma3_text", num_hidden_layers=12, hidden_size=64,
+                   intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, vocab_size=256, sliding_window=32)
+# the Hub's legacy form (Gemma 3 4B's text config: linear factor 8 on the global layers)
+GEMMA3_LEGACY = dict(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=4,
+                     rope_scaling={"rope_type": "linear", "factor": 8.0},
+                     query_pre_attn_scalar=24, final_logit_softcapping=30.0)
+
+
+def _gemma3_dir(tmp_path, name, **cfg):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**GEMMA3_BASE, **cfg}))
+    return d
+
+
+def _as_hf_reads_it(model_dir):
+    """(windows, full theta, linear factor or None, local theta, attn scale, softcap) by HF."""
+    from transformers import Gemma3TextConfig
+    hf = Gemma3TextConfig.from_pretrained(str(model_dir))
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert local["rope_type"] == "default"
+    windows = tuple(hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
+    factor = full.get("factor") if full["rope_type"] == "linear" else None
+    return (windows, full["rope_theta"], factor, local["rope_theta"],
+            hf.query_pre_attn_scalar ** -0.5, hf.final_logit_softcapping)
+
+
+def _ours(c):
+    factor = None if c.rope_scaling is None else c.rope_scaling.factor
+    return (c.layer_windows, c.rope_theta, factor, c.local_rope_theta, c.attn_scale,
+            c.final_logit_softcap)
+
+
+@pytest.mark.parametrize("form", ["legacy", "legacy_defaults", "saved_by_transformers"])
+def test_gemma3_config_reads_as_hf_does(tmp_path, form):
+    from transformers import Gemma3TextConfig
+    if form == "legacy":
+        d = _gemma3_dir(tmp_path, form, **GEMMA3_LEGACY)
+    elif form == "legacy_defaults":   # no rope keys, no pattern, no scalar: HF's defaults
+        d = _gemma3_dir(tmp_path, form)
+    else:   # transformers 5 writes per-layer-type rope_parameters and layer_types
+        d = tmp_path / form
+        Gemma3TextConfig.from_pretrained(str(_gemma3_dir(tmp_path, "src", **GEMMA3_LEGACY))) \
+            .save_pretrained(str(d))
+        saved = json.loads((d / "config.json").read_text())
+        assert "full_attention" in saved["rope_parameters"] and "rope_scaling" not in saved
+    c = model_config_from_hf(d)
+    assert _ours(c) == _as_hf_reads_it(d)
+    assert c.architecture == "gemma3" and c.qk_norm and c.sliding_window is None
+    if form != "legacy_defaults":
+        assert c.layer_windows == ((32,) * 3 + (None,)) * 3   # every 4th layer full
+        assert c.rope_scaling == LinearScaling(8.0) and c.attn_scale == 24 ** -0.5
+
+
+def test_gemma3_linear_scaling_divides_every_frequency():
+    assert torch.equal(inv_freq(16, 1e6, LinearScaling(8.0)), inv_freq(16, 1e6, None) / 8.0)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
+    (dict(rope_parameters={"full_attention": {"rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                 "rope_theta": 1e4}}), "sliding layers"),
+    (dict(sliding_window=None), "sliding_window"),
+    (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+])
+def test_gemma3_options_the_engine_does_not_compute_are_refused(tmp_path, change, match):
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf(_gemma3_dir(tmp_path, "refused", **change))
+
+
+def test_gemma3_multimodal_config_is_refused_naming_the_text_model(tmp_path):
+    with pytest.raises(ValueError, match="gemma3_text"):
+        _read(tmp_path, model_type="gemma3")
+
+
+def _gemma3_gguf(**extra):
+    from engine.model_config import model_config_from_gguf
+    g = "gemma3."
+    fields = {"general.architecture": "gemma3", g + "embedding_length": 64, g + "block_count": 6,
+              g + "feed_forward_length": 128, g + "attention.head_count": 4,
+              g + "attention.head_count_kv": 2, g + "attention.key_length": 16,
+              g + "attention.layer_norm_rms_epsilon": 1e-6, g + "attention.sliding_window": 8,
+              "tokenizer.ggml.tokens": ["a"] * 300, **{g + k: v for k, v in extra.items()}}
+    return model_config_from_gguf(fields, {"token_embd.weight"})
+
+
+def test_gemma3_gguf_header_keys():
+    c = _gemma3_gguf()   # llama.cpp's fixed values where the header is silent
+    assert c.layer_windows == (8,) * 5 + (None,) and c.local_rope_theta == 1e4
+    assert (c.rope_theta, c.rope_scaling, c.attn_scale) == (1e6, None, 16 ** -0.5)
+    assert c.tie_word_embeddings and c.vocab_size == 300 and c.final_logit_softcap is None
+    c = _gemma3_gguf(**{"rope.freq_base_swa": 500.0, "rope.scaling.type": "linear",
+                        "rope.scaling.factor": 8.0, "attention.sliding_window_pattern": 3,
+                        "final_logit_softcapping": 30.0})
+    assert c.layer_windows == (8, 8, None) * 2 and c.local_rope_theta == 500.0
+    assert c.rope_scaling == LinearScaling(8.0) and c.final_logit_softcap == 30.0
+    flags = [True, False, True, True, False, False]   # one bool per layer: True = sliding
+    c = _gemma3_gguf(**{"attention.sliding_window_pattern": flags})
+    assert c.layer_windows == (8, None, 8, 8, None, None)
+    assert _gemma3_gguf(**{"attention.key_length": 8}).attn_scale == 8 ** -0.5
+    big = _gemma3_gguf(**{"block_count": 62, "attention.key_length": 8})   # 27B: hidden / heads
+    assert big.attn_scale == (64 / 4) ** -0.5
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        _gemma3_gguf(attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        _gemma3_gguf(**{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0})

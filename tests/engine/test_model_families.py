@@ -1,5 +1,5 @@
 """Model families (Llama 3.x llama3 rope, Qwen2.5, Qwen3, Qwen3 with windows, Mistral sliding
-window): greedy tokens == HF transformers on random-weight checkpoints built here, fp32,
+window, Gemma 3): greedy tokens == HF transformers on random-weight checkpoints built here, fp32,
 5 prompts x 32 tokens, colocated (one batch; chunked prefill) and disaggregated; and one
 negative control per feature: the engine with that feature switched off must NOT match.
 """
@@ -70,7 +70,20 @@ def _no_rope_scaling(model):
     model.rope = RotaryTable(model.config.head_dim, model.config.rope_theta, model.dtype)
 
 
+def _set(name, value):
+    """Replace model.<name> by value(model)."""
+    def ablate(model):
+        setattr(model, name, value(model))
+    return ablate
+
+
+def _unscaled_full_rope(model):
+    c = model.config
+    return RotaryTable(c.head_dim, c.rope_theta, model.dtype)
+
+
 _ONES, _NONE = torch.ones_like, (lambda t: None)
+_W_NOT_1_PLUS_W = (lambda t: t - 1)   # Gemma stores 1 + w: this leaves w
 ABLATIONS = {
     ("llama3", "rope scaling ignored"): _no_rope_scaling,
     ("qwen2.5", "disabled window applied anyway"): _windows(WINDOW),
@@ -83,6 +96,18 @@ ABLATIONS = {
     ("mistral", "window ignored"): _windows(None),
     ("mistral", "window one token wider"): _windows(WINDOW + 1),
     ("mistral", "window one token narrower"): _windows(WINDOW - 1),
+    ("gemma3", "layer norms scale by w, not 1 + w"): _layers(
+        input_norm=_W_NOT_1_PLUS_W, post_attn_norm=_W_NOT_1_PLUS_W,
+        pre_ffn_norm=_W_NOT_1_PLUS_W, post_ffn_norm=_W_NOT_1_PLUS_W),
+    ("gemma3", "q/k norms scale by w, not 1 + w"): _layers(q_norm=_W_NOT_1_PLUS_W,
+                                                           k_norm=_W_NOT_1_PLUS_W),
+    ("gemma3", "embeddings not scaled by sqrt(hidden)"): _set(
+        "embed_scale", lambda m: torch.ones_like(m.embed_scale)),
+    ("gemma3", "local rope theta ignored"): _set("local_rope", lambda m: m.full_rope),
+    ("gemma3", "linear rope scaling ignored"): _set("full_rope", _unscaled_full_rope),
+    ("gemma3", "query_pre_attn_scalar ignored"): _set("attn_scale", lambda m: None),
+    ("gemma3", "window ignored"): _windows(None),
+    ("gemma3", "window on every layer"): _windows(WINDOW),
 }
 
 

@@ -16,10 +16,19 @@ IDS = {"return_tokens_as_token_ids": True, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def clients(threaded_cluster) -> dict[str, openai.OpenAI]:
-    """``disagg``: the orchestrator; ``colocated``: the gen server by itself."""
+def genfirst_url(threaded_cluster) -> str:
+    """A second orchestrator over the same servers, ``schedule_style: generation_first``."""
+    return threaded_cluster.add_orchestrator("orchestrator-genfirst", schedule_style="generation_first")
+
+
+@pytest.fixture(scope="module", params=["context_first", "generation_first"])
+def clients(request, threaded_cluster) -> dict[str, openai.OpenAI]:
+    """``disagg``: the orchestrator of one schedule style (generation_first: the gen server gets
+    the first token and its logprobs from the ctx server's lease answer, not from the
+    orchestrator); ``colocated``: the gen server by itself."""
+    orch = threaded_cluster.url if request.param == "context_first" else request.getfixturevalue("genfirst_url")
     return {name: openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            for name, url in (("disagg", threaded_cluster.url), ("colocated", threaded_cluster.server_url("gen")))}
+            for name, url in (("disagg", orch), ("colocated", threaded_cluster.server_url("gen")))}
 
 
 @pytest.fixture(scope="module")

@@ -50,12 +50,33 @@ def env_vars(values: dict[str, str]):
                 os.environ[k] = v
 
 
+def _wait_healthy(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"orchestrator {url} not ready within {timeout_s} s")
+
+
 @dataclass
 class ThreadedCluster:
     """``url`` (orchestrator), ``server_url(role)``; :meth:`stop` stops the servers and engines."""
 
     url: str
     servers: dict[str, ThreadServer]
+    topology: object = None  # pdserve.config.Topology the servers were built from
+
+    def add_orchestrator(self, name: str, timeout_s: float = 60.0, **settings) -> str:
+        """Start another orchestrator over the same servers with ``settings`` overriding the
+        topology's ``orchestrator:`` (e.g. ``schedule_style="generation_first"``); its URL.
+        Stopped by :meth:`stop` with the rest."""
+        sock = _socket_on(0)
+        orch = self.topology.orchestrator.model_copy(update={**settings, "port": sock.getsockname()[1]})
+        server = ThreadServer(create_app(self.topology.model_copy(update={"orchestrator": orch})), sock)
+        self.servers[name] = server.start(timeout_s)
+        _wait_healthy(server.url, timeout_s)
+        return server.url
 
     def server_url(self, role: str) -> str:
         return self.servers[role].url
@@ -85,7 +106,7 @@ class ThreadedCluster:
                 app = create_server_app(build_inproc_state(cfg))
                 servers[role if i == 0 else f"{role}{i}"] = ThreadServer(app, _socket_on(cfg.port)).start(timeout_s)
             servers["orchestrator"] = ThreadServer(create_app(topo), _socket_on(topo.orchestrator.port)).start(timeout_s)
-            cluster = cls(servers["orchestrator"].url, servers)
+            cluster = cls(servers["orchestrator"].url, servers, topo)
             cluster.wait_ready(timeout_s)
         except BaseException:
             for s in servers.values():
@@ -94,12 +115,7 @@ class ThreadedCluster:
         return cluster
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"orchestrator {self.url} not ready within {timeout_s} s")
+        _wait_healthy(self.url, timeout_s)
 
     def stop(self) -> None:
         for s in self.servers.values():  # all at once: each uvicorn takes ~0.1 s to notice

@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
+import kv_transfer.local_control as local_control
 from kv_transfer.factory import make_kv_client
+from kv_transfer.local_control import Poller
 from kv_transfer.peer_procs import PeerProcesses
 from kv_transfer.wire import recv_msg, send_msg
 from pdserve.procfs import proc_start_time
@@ -99,3 +101,100 @@ def test_peer_processes_see_a_process_exit_and_a_wrong_start_time():
         assert not procs.alive(child.pid, start)
     finally:
         procs.close()
+
+
+def test_the_poll_is_bounded_and_sees_a_frame(monkeypatch):
+    """The bounded poll before a blocking read: False once its budget is spent with nothing to read
+    (and no sooner), True as soon as a frame (or EOF) is there."""
+    monkeypatch.setattr(local_control, "STALL_S", float("inf"))  # a loaded host must not end it early here
+    monkeypatch.setattr(local_control, "BACKOFF_S", 0.0)  # the spent budget must not stop the next polls
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    poller = Poller()
+    try:
+        t0 = time.perf_counter()
+        assert poller.wait(a, 2e-3) is False
+        assert time.perf_counter() - t0 >= 2e-3
+        b.sendall(b"x")
+        assert poller.wait(a, 10.0) is True
+        a.recv(1)
+        b.close()
+        assert poller.wait(a, 10.0) is True  # EOF is readable: the blocking read then reports it
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stalled_poll_ends_at_once_and_the_poller_backs_off(monkeypatch):
+    """An iteration that took longer than STALL_S (here every one: the yield sleeps 1 ms, as a
+    thread that waits for the GIL or a CPU does) ends the poll long before its budget; during the
+    backoff ``wait`` does not poll at all (a frame already there is not seen); a miss right after
+    a backoff (here a spent budget) doubles the next one; a poll that sees its frame resets it."""
+    monkeypatch.setattr(local_control, "BACKOFF_S", 0.3)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    poller = Poller()
+
+    def stalled_wait() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(local_control.os, "sched_yield", lambda: time.sleep(1e-3))
+            t0 = time.perf_counter()
+            assert poller.wait(a, 5.0) is False
+            assert time.perf_counter() - t0 < 1.0
+
+    try:
+        stalled_wait()
+        assert (poller.misses, poller.backoff_s) == (1, 0.3)
+        b.sendall(b"x")
+        t0 = time.perf_counter()
+        assert poller.wait(a, 5.0) is False  # backing off: returns at once without looking
+        assert time.perf_counter() - t0 < 0.1
+        a.recv(1)
+        time.sleep(0.35)
+        monkeypatch.setattr(local_control, "STALL_S", float("inf"))
+        assert poller.wait(a, 2e-3) is False  # the budget spent: a miss too, twice as long
+        assert (poller.misses, poller.backoff_s) == (2, 0.6)
+        time.sleep(0.65)
+        b.sendall(b"y")
+        assert poller.wait(a, 5.0) is True and (poller.misses, poller.backoff_s) == (2, 0.0)
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_ucx
+def test_a_pull_answer_makes_the_server_poll_for_its_done_and_a_refusal_does_not(ucx_side):
+    """_on_local says when a ``done`` is due (an accepted same-host pull), so the connection thread
+    polls for it; a refused pull (no such lease) is not followed by one."""
+    from kv_transfer.ucx_backend import ACK  # imports ucxx
+
+    replies = []
+    server = ucx_side.server
+    tag = ACK + 1  # a tag base: the low bits number a pull's messages
+    bad = {"op": "pull", "tag": tag, "host": server._host_id, "ctx_request_id": "nope", "budget_ms": 1000,
+           "layout": server.layout.model_dump(), "dst_runs": [[0, 1]], "reply_to": "x"}
+    assert server._on_local(bad, replies.append) is False
+    assert replies[-1]["ok"] is False and "nope" in replies[-1]["error"]
+    ucx_side.leases.park("r", [1, 2], 8, ttl_s=30)
+    good = {**bad, "ctx_request_id": "r", "dst_runs": [[0, 2]]}
+    assert server._on_local(good, replies.append) is True
+    assert replies[-1]["ok"] is True and replies[-1]["src_addrs"][0][0] == server.kv_cache[1].data_ptr()
+    assert server._on_local({"op": "done", "ctx_request_id": "r", "tag": tag, "reply_to": "x", "release": True},
+                            replies.append) is False
+    assert ucx_side.freed == [("r", "released")]
+
+
+@needs_ucx
+def test_no_poll_for_the_done_of_a_pull_larger_than_one_poll_reads(ucx_side, monkeypatch):
+    """A read that outlasts the poll (more than POLL_DONE_BYTES) is answered without a poll after it."""
+    import kv_transfer.ucx_backend as ucx_backend  # imports ucxx
+
+    server = ucx_side.server
+    monkeypatch.setattr(ucx_backend, "POLL_DONE_BYTES", server._bytes_per_block)
+    ucx_side.leases.park("one", [1], 4, ttl_s=30)
+    ucx_side.leases.park("two", [1, 2], 8, ttl_s=30)
+    replies = []
+    pull = {"op": "pull", "tag": ucx_backend.ACK + 1, "host": server._host_id, "budget_ms": 1000,
+            "layout": server.layout.model_dump(), "reply_to": "x"}
+    assert server._on_local({**pull, "ctx_request_id": "one", "dst_runs": [[0, 1]]}, replies.append) is True
+    assert server._on_local({**pull, "ctx_request_id": "two", "dst_runs": [[0, 2]], "tag": 2 * (ucx_backend.ACK + 1)},
+                            replies.append) is False
+    assert [r["ok"] for r in replies] == [True, True]
