@@ -65,7 +65,7 @@ SHARED: dict[str, tuple[str, ...]] = {
                      "tests/integration/test_openai_client.py"),
     "smollm2_engine": ("tests/engine/test_disagg.py", "tests/engine/test_model_vs_hf.py", "tests/engine/test_tp.py"),
     "family_dirs": ("tests/engine/test_model_families.py", "tests/engine/test_families_tp.py",
-                    "tests/engine/test_sliding_window_cache.py"),
+                    "tests/engine/test_sliding_window_cache.py", "tests/engine/test_gemma3.py"),
 }
 
 
