@@ -9,10 +9,13 @@ It speaks what each router in the overhead experiment asks of a worker:
 - pdserve's ``disaggregated_params``: ``context_only`` → a one-token answer with parked-lease
   params (no KV is really parked); ``generation_only`` → the stream; ``POST /disagg/release``;
 - pdserve's ``generation_first`` (``orchestrator.schedule_style``): a ``generation_only`` request
-  that names ``ctx_url`` instead of the ctx params really waits: the worker POSTs the ctx
-  worker's ``/disagg/lease`` (pdserve.kv_wait) and streams only once that wait says ``parked``;
-  the ctx worker answers a wait as soon as its ``context_only`` answer for that
-  ``disagg_request_id`` is ready (or at once, if it already was);
+  that names ``ctx_url`` instead of the ctx params really waits, streaming only once the ctx
+  worker's ``context_only`` answer for that ``disagg_request_id`` is made. ``--ctx-signal pull``:
+  as the real gen server, it POSTs the ctx worker's ``/disagg/lease`` (pdserve.kv_wait), which
+  answers as soon as that answer is ready (or at once, if it already was); ``--ctx-signal push``
+  (the default): it waits for the ``parked`` line the ctx worker pushes on one long-lived
+  subscription (:mod:`fake_ctx_feed`: the same wait at a fraction of the CPU, which the bench's
+  workers spend on the core the router's client shares);
 - sglang-router's PD mode (requests carrying ``bootstrap_room``): with ``--role prefill`` the
   answer is one token (the router drains it), with ``--role decode`` the full answer;
 - ``GET /health``, ``/v1/models``, ``/server_info``, ``/get_server_info``, ``/model_info``,
@@ -21,7 +24,10 @@ It speaks what each router in the overhead experiment asks of a worker:
   orchestrator's ``kv_cache_aware`` router loads to hash prompts;
 - pdserve's ``GET /kv_events`` (:mod:`pdserve.kv_events`): a snapshot of no blocks, then a heartbeat
   every second, so the orchestrator's KV indexes of this worker are synced (and stay empty) and
-  ``kv_cache_aware`` scores every prompt as it would in front of a real server.
+  ``kv_cache_aware`` scores every prompt as it would in front of a real server;
+- ``--trace N``: the ``time.monotonic()`` of each step of the last N requests, keyed by their
+  ``X-Request-Id`` (``GET /trace``; :class:`StepTrace`), which ``bench/dispatch_trace.py`` lines up
+  with the client's own clock (CLOCK_MONOTONIC is one clock for every process of a host).
 
 Raw ASGI on uvicorn (no FastAPI) so the worker costs far less than the routers it measures.
 """
@@ -40,11 +46,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages (orchestrator.h1client)
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "bench") not in sys.path:  # ... and fake_ctx_feed beside this file
+    sys.path.insert(0, str(ROOT / "bench"))
+
+from fake_ctx_feed import FEED_PATH, ParkedFeeds, ParkedPublisher  # noqa: E402
 
 MODEL = "fake-model"
 WORD = " tok"
 KV_HEARTBEAT_S = 1.0   # between /kv_events heartbeats (a real server's default)
 MAX_OUTCOMES = 10_000  # ctx role: lease-wait outcomes kept for waits still to come (oldest dropped)
+_STEP_NAMES = {"context_only": "ctx", "generation_only": "gen"}  # request_type -> StepTrace step prefix
+
+
+class StepTrace:
+    """When each request reached each step here: ``{request id: {step: time.monotonic() s}}`` for the
+    last ``size`` request ids (0: nothing is kept, and :meth:`mark` costs one comparison).
+
+    Steps: ``<phase>_in`` when the app has the request's body parsed (``ctx``, ``gen``, ``plain``,
+    ``lease``; stamped with the time its first ASGI call began), ``ctx_out`` / ``lease_out`` / ``plain_out``
+    / ``gen_out`` after the last body byte was handed to uvicorn, ``gen_first`` after the first
+    streamed event, and on a generation_first gen request ``wait_sent`` (its wait for the ctx
+    worker begins: the lease POST is about to be written, or the pushed line awaited) and
+    ``wait_back`` (the lease answer, or the pushed line, was read)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._steps: OrderedDict[str, dict[str, float]] = OrderedDict()
+
+    def mark(self, request_id: str | None, step: str, t: float | None = None) -> None:
+        if not self.size or request_id is None:
+            return
+        steps = self._steps.get(request_id)
+        if steps is None:
+            steps = self._steps[request_id] = {}
+            while len(self._steps) > self.size:
+                self._steps.popitem(last=False)
+        steps[step] = time.monotonic() if t is None else t
+
+    def dump(self) -> dict[str, dict[str, float]]:
+        return dict(self._steps)
+
+
+def _request_id(scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            return value.decode("latin-1")
+    return None
 
 
 def _usage(n_prompt: int, n: int) -> dict:
@@ -61,8 +108,15 @@ def _prompt_len(body: dict) -> int:
 
 
 class FakeWorker:
-    def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float) -> None:
+    def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float, trace: int = 0,
+                 ctx_signal: str = "push") -> None:
+        if ctx_signal not in ("pull", "push"):
+            raise ValueError(f"ctx_signal must be pull or push, got {ctx_signal!r}")
         self.role = role
+        self.trace = StepTrace(trace)
+        self.ctx_signal = ctx_signal
+        self.publisher = ParkedPublisher()   # ctx role: subscribers of the pushed "parked" lines
+        self._feeds: ParkedFeeds | None = None  # gen role, push: the subscriptions (made in the serving loop)
         self.tokenizer_dir = tokenizer_dir
         self.token_delay_s = token_delay_s
         self.requests = 0
@@ -98,10 +152,13 @@ class FakeWorker:
                 if msg["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    if self._feeds is not None:
+                        await self._feeds.close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
             return
+        t_in = time.monotonic()
         path, method = scope["path"], scope["method"]
         if method == "GET":
             if path in ("/health", "/health_generate", "/ping"):
@@ -117,6 +174,8 @@ class FakeWorker:
                                                     "waits_answered": self.waits_answered})
             if path == "/tokenizer":
                 return await self._json(send, 200, self.tokenizer_payload())
+            if path == "/trace":
+                return await self._json(send, 200, {"steps": self.trace.dump()})
             if path == "/kv_events":
                 return await self._kv_events(receive, send)
             if path in ("/get_load", "/v1/loads"):
@@ -130,8 +189,14 @@ class FakeWorker:
                 break
         if path == "/disagg/release" or path == "/flush_cache":
             return await self._json(send, 200, {"released": True})
+        if path == FEED_PATH:
+            done = [{"disagg_request_id": did, **fut.result()} for did, fut in self._outcomes.items() if fut.done()]
+            return await self.publisher.serve(receive, send, done)
+        rid = _request_id(scope) if self.trace.size else None
         if path == "/disagg/lease":
-            return await self._json(send, 200, await self._lease_wait(json.loads(raw)))
+            self.trace.mark(rid, "lease_in", t_in)
+            await self._json(send, 200, await self._lease_wait(json.loads(raw)))
+            return self.trace.mark(rid, "lease_out")
         if path not in ("/v1/completions", "/v1/chat/completions", "/generate"):
             return await self._json(send, 404, {"error": {"message": f"no route {path}"}})
         self.requests += 1
@@ -139,7 +204,10 @@ class FakeWorker:
         self.bootstrapped += "bootstrap_room" in body
         phase = (body.get("disaggregated_params") or {}).get("request_type", "plain")
         self.phases[phase] = self.phases.get(phase, 0) + 1
-        await self._complete(send, body, chat=path.endswith("chat/completions"))
+        step = _STEP_NAMES.get(phase, phase)
+        self.trace.mark(rid, f"{step}_in", t_in)
+        await self._complete(send, body, chat=path.endswith("chat/completions"), trace_id=rid)
+        self.trace.mark(rid, f"{step}_out")
 
     async def _kv_events(self, receive, send) -> None:
         """An NDJSON KV event stream with no events: the empty snapshot, then heartbeats until the
@@ -172,15 +240,16 @@ class FakeWorker:
         """ctx role: the outcome of ``disagg_request_id``'s context request, waiting ``wait_ms`` at most."""
         did = body["disagg_request_id"]
         try:
-            answer = await asyncio.wait_for(asyncio.shield(self._outcome(did)), body["wait_ms"] / 1000.0)
+            async with asyncio.timeout(body["wait_ms"] / 1000.0):  # no task (asyncio.wait_for makes one)
+                answer = await asyncio.shield(self._outcome(did))
         except TimeoutError:
             answer = {"state": "timeout", "message": "nothing parked"}
         self._outcomes.pop(did, None)
         self.waits_answered += 1
         return answer
 
-    async def _wait_for_ctx(self, dp: dict) -> bool:
-        """gen role, generation_first: wait on the ctx worker's lease endpoint; True when it parked.
+    async def _wait_for_ctx(self, dp: dict, trace_id: str | None) -> bool:
+        """gen role, generation_first: wait for the ctx worker's signal (``ctx_signal``); True when it parked.
 
         Uses the orchestrator's lean pooled HTTP/1.1 client (not httpx, as the real gen server
         does), so that this fake's own cost stays small next to the routers it measures."""
@@ -188,13 +257,27 @@ class FakeWorker:
 
         if self._http is None:
             self._http = H1Client(5.0, user_agent="fake-worker")
+        self.trace.mark(trace_id, "wait_sent")
+        if self.ctx_signal == "push":
+            if self._feeds is None:
+                self._feeds = ParkedFeeds(self._http)
+            try:
+                outcome = await self._feeds.wait(dp["ctx_url"], dp["disagg_request_id"], 60.0)
+            except (TimeoutError, ConnectionError):
+                return False
+            self.trace.mark(trace_id, "wait_back")
+            self.waited += outcome.get("state") == "parked"
+            return outcome.get("state") == "parked"
         body = json.dumps({"disagg_request_id": dp["disagg_request_id"], "wait_ms": 60_000}).encode()
-        resp = await asyncio.wait_for(self._http.post(dp["ctx_url"], "/disagg/lease", body, ()), 65.0)
-        try:
-            raw = await asyncio.wait_for(resp.read(), 65.0)
-        finally:
-            resp.close()
+        headers = (("X-Request-Id", trace_id),) if trace_id else ()
+        async with asyncio.timeout(65.0):  # the wait (60 s) and its answer; no task of its own
+            resp = await self._http.post(dp["ctx_url"], "/disagg/lease", body, headers)
+            try:
+                raw = await resp.read()
+            finally:
+                resp.close()
         parked = resp.status == 200 and json.loads(raw).get("state") == "parked"
+        self.trace.mark(trace_id, "wait_back")
         self.waited += parked
         return parked
 
@@ -204,7 +287,7 @@ class FakeWorker:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
-    async def _complete(self, send, body: dict, chat: bool) -> None:
+    async def _complete(self, send, body: dict, chat: bool, trace_id: str | None = None) -> None:
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         n_prompt = _prompt_len(body)
         stream = bool(body.get("stream"))
@@ -213,7 +296,7 @@ class FakeWorker:
         if rtype == "context_only" or (self.role == "prefill" and "bootstrap_room" in body):
             n, stream = 1, stream and rtype != "context_only"
         if rtype == "generation_only" and dp.get("ctx_url") and not dp.get("ctx_request_id"):
-            if not await self._wait_for_ctx(dp):
+            if not await self._wait_for_ctx(dp, trace_id):
                 return await self._json(send, 504, {"error": {"message": "the ctx worker parked nothing",
                                                               "type": "ctx_wait_timeout", "param": None, "code": 504}})
         rid = f"cmpl-{uuid.uuid4().hex[:12]}"
@@ -226,12 +309,16 @@ class FakeWorker:
                                     "block_size": 16, "dtype": "float32"}}
             choice = {"index": 0, "finish_reason": None, "logprobs": None, "disaggregated_params": params}
             choice.update({"message": {"role": "assistant", "content": WORD}} if chat else {"text": WORD})
-            if params["disagg_request_id"]:  # a generation_first gen worker may be waiting for this
-                fut = self._outcome(params["disagg_request_id"])
+            did = params["disagg_request_id"]
+            if did:  # a generation_first gen worker may be waiting for this
+                fut = self._outcome(did)
                 fut.done() or fut.set_result({"state": "parked", "disaggregated_params": params})
-            return await self._json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                                "created": created, "model": MODEL, "choices": [choice],
-                                                "usage": _usage(n_prompt, 1)})
+            await self._json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                         "created": created, "model": MODEL, "choices": [choice],
+                                         "usage": _usage(n_prompt, 1)})
+            if did and self.publisher.subscribers:  # after the answer, as a pull's answer comes after it
+                await self.publisher.publish({"disagg_request_id": did, "state": "parked", "disaggregated_params": params})
+            return
         if not stream:
             choice = {"index": 0, "finish_reason": "length", "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": WORD * n}} if chat else {"text": WORD * n})
@@ -241,16 +328,10 @@ class FakeWorker:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
         obj = "chat.completion.chunk" if chat else "text_completion"
-        for i in range(n):
-            finish = "length" if i == n - 1 else None
-            if chat:
-                delta = {"content": WORD} if i else {"role": "assistant", "content": WORD}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": WORD, "finish_reason": finish, "logprobs": None}
-            event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
-                        "more_body": True})
+        for i, event in enumerate(_token_events(rid, obj, created, chat, n)):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            if i == 0:
+                self.trace.mark(trace_id, "gen_first")
             if self.token_delay_s > 0 and i < n - 1:
                 await asyncio.sleep(self.token_delay_s)
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -259,6 +340,26 @@ class FakeWorker:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _token_events(rid: str, obj: str, created: int, chat: bool, n: int) -> list[bytes]:
+    """The ``n`` SSE events (``data: {...}`` and a blank line each) of a streamed answer of ``n`` tokens;
+    the middle ones are the same bytes, encoded once (the fake's cost per token stays far below a
+    router's)."""
+    def encode(i: int) -> bytes:
+        finish = "length" if i == n - 1 else None
+        if chat:
+            delta = {"content": WORD} if i else {"role": "assistant", "content": WORD}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": WORD, "finish_reason": finish, "logprobs": None}
+        event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    if n <= 3:
+        return [encode(i) for i in range(n)]
+    middle = encode(1)
+    return [encode(0), *([middle] * (n - 2)), encode(n - 1)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,8 +371,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
     p.add_argument("--tokenizer-dir", default="", help="a local HF tokenizer directory (named in /model_info)")
     p.add_argument("--token-delay-ms", type=float, default=0.0)
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="keep the step times of the last N requests (GET /trace); 0 = off")
+    p.add_argument("--ctx-signal", choices=("pull", "push"), default="push",
+                   help="how a generation_first gen request waits for the ctx worker (module docstring)")
     args = p.parse_args(argv)
-    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0)
+    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0, args.trace, args.ctx_signal)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on")
 
 

@@ -9,8 +9,11 @@ Two fake workers A and B answer at once (no model). Paths:
 - **pdserve** (``schedule_style: context_first``): client → orchestrator → A (``context_only``,
   JSON answer) then → B (``generation_only``, streamed and relayed): two upstream calls in sequence.
 - **pdserve gen-first** (``schedule_style: generation_first``): client → orchestrator → A and B at
-  once; B really waits: it asks A's ``/disagg/lease`` and streams once A has answered the
-  ``context_only`` request. One round trip on the orchestrator's critical path, one B → A hop.
+  once; B really waits: it streams once A has answered the ``context_only`` request, told by a
+  line A pushes on a subscription B opened once (``--fake-ctx-signal push``, the default:
+  ``bench/fake_ctx_feed.py``) or by A's answer to B's ``POST /disagg/lease`` (``pull``, what the
+  real gen server does, at ~0.4 ms more of the workers' CPU per request on the client's core).
+  One round trip on the orchestrator's critical path, one A → B signal.
 - **sglang-router** (``--pd-disaggregation``, prefill A, decode B): one request sent to A
   *and* B at once with ``bootstrap_host/port/room`` added; the client gets B's stream. (In SGLang
   the KV handoff then runs worker to worker; here nothing moves.)
@@ -46,7 +49,10 @@ from _harness import (conditions, loadavg, FIGURES, PY, RESULTS, ROOT, Procs, be
                       tree_cpu_s, update_section)
 
 
-def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
+def start(procs: Procs, a: argparse.Namespace, worker_args: tuple[str, ...] = ()) -> dict[str, str]:
+    """Start fake workers A (ctx / prefill) and B (gen / decode) on core 0 (``worker_args`` added to
+    both command lines), one pdserve orchestrator per style, router policy and process count of
+    ``a``, and sglang-router when ``a.sglang_python`` exists; returns each target's URL (``direct``: B)."""
     tok_dir = RESULTS / "overhead" / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         from engine.model_files import resolve_model_path
@@ -55,8 +61,10 @@ def start(procs: Procs, a: argparse.Namespace) -> dict[str, str]:
         Tokenizer.from_model_path(Path(resolve_model_path("smollm2"))).hf.save_pretrained(str(tok_dir))
     pa, pb = free_port(), free_port()
     fw = str(ROOT / "bench" / "fake_worker.py")
-    procs.start("worker_a", [PY, fw, "--port", str(pa), "--role", "prefill", "--tokenizer-dir", str(tok_dir)], cores="0")
-    procs.start("worker_b", [PY, fw, "--port", str(pb), "--role", "decode", "--tokenizer-dir", str(tok_dir)], cores="0")
+    procs.start("worker_a", [PY, fw, "--port", str(pa), "--role", "prefill", "--tokenizer-dir", str(tok_dir),
+                             *worker_args], cores="0")
+    procs.start("worker_b", [PY, fw, "--port", str(pb), "--role", "decode", "--tokenizer-dir", str(tok_dir),
+                             *worker_args], cores="0")
     a_url, b_url = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
     procs.wait_http("worker_a", a_url + "/health", 30)
     procs.wait_http("worker_b", b_url + "/health", 30)
@@ -185,6 +193,9 @@ def main() -> int:
     p.add_argument("--section", default="overhead", help="the docs/benchmarks.md section (and figure) written")
     p.add_argument("--wrk-seconds", type=int, default=8)
     p.add_argument("--wrk-threads", type=int, default=1)
+    p.add_argument("--fake-ctx-signal", choices=("push", "pull"), default="push",
+                   help="how the fake gen worker waits for the fake ctx worker in generation_first "
+                        "(bench/fake_ctx_feed.py): a pushed line, or the real servers' lease POST")
     p.add_argument("--dry-run", action="store_true", help="print the table; write neither docs/benchmarks.md nor the figure")
     a = p.parse_args()
     if shutil.which("wrk") is None:
@@ -196,7 +207,7 @@ def main() -> int:
     wrk: dict[str, list[dict]] = {}
     calls: dict = {}
     with Procs(RESULTS / "overhead" / "logs") as procs:
-        urls = start(procs, a)
+        urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal))
         say(f"targets: {urls}")
         for rep in range(a.repeats):
             for name, url in urls.items():
@@ -255,6 +266,14 @@ def main() -> int:
         " vs sglang-router (PD mode)" if any(n.startswith("sglang") for n in lat) else "") + (
         "" if a.pdserve_workers == "1" else f", orchestrator.num_workers {a.pdserve_workers}, routers on core(s) "
         f"{a.router_cores}")
+    signal_note = (
+        "A pushes one `parked` line per request on a subscription B opened once (`--fake-ctx-signal push`, "
+        "bench/fake_ctx_feed.py; the real gen server instead POSTs the ctx server's `/disagg/lease` per "
+        "request — servers' CPU that this setup would put on the client's core)."
+        if a.fake_ctx_signal == "push" else
+        "B POSTs A's `/disagg/lease` as the real gen server does (`--fake-ctx-signal pull`; one B → A "
+        "round trip on core 0 with the workers and the client, through the orchestrator's pooled HTTP/1.1 "
+        "client; the real gen server uses httpx).")
     body = f"""## {title}
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
@@ -279,10 +298,8 @@ What each router does per request (be fair when reading the numbers):
   trips in sequence — the cost of `context_first`. `kv_cache_aware` also tokenizes the prompt
   and hashes its blocks at the orchestrator.
 - **pdserve … gen-first** (`schedule_style: generation_first`): POSTs the context phase to A and
-  the generation phase to B at once and relays B's stream; B (the fake) really waits — it POSTs
-  A's `/disagg/lease` and streams only once A has answered that request's context phase (one
-  B → A round trip, on core 0 with the workers, through the orchestrator's pooled HTTP/1.1 client; the
-  real gen server uses httpx).
+  the generation phase to B at once and relays B's stream; B (the fake) really waits — it streams
+  only once A has answered that request's context phase: {signal_note}
 - The fake workers publish KV events as a real server does (`GET /kv_events`: an empty snapshot,
   then heartbeats), so `kv_cache_aware`'s indexes are synced (and empty): it tokenizes and scores
   every prompt as it would in front of real servers.

@@ -70,3 +70,13 @@ def pack_weight(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Te
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] (dense, the weight's dtype) @ packed weight [N, K]^T (+ bias [N]) -> [T, N]."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def pack_decoder_linears(model) -> None:
+    """Pack a decoder's linear weights in place: every layer's ``qkv``, ``o_proj``, ``gate_up``,
+    ``down`` and the model's ``lm_head`` (the shape engine.model_weights builds; the dense
+    embedding stays where a tied head shared it)."""
+    for w in model.layers:
+        w.qkv, w.o_proj = pack_weight(w.qkv), pack_weight(w.o_proj)
+        w.gate_up, w.down = pack_weight(w.gate_up), pack_weight(w.down)
+    model.lm_head = pack_weight(model.lm_head)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.cpu_linear import pack_weight
+from engine.cpu_linear import pack_decoder_linears
 from engine.layers import RotaryTable, apply_rope, geglu, linear, offset_rms_norm, softcap
 from engine.model_config import ModelConfig
 from engine.model_weights import Shard, StateReader, projections
@@ -97,11 +97,8 @@ class Gemma3Model:
         self.final_softcap = config.final_logit_softcap
 
     def _pack_linears(self) -> None:
-        """Replace each linear weight by its oneDNN-packed form (engine.cpu_linear.pack_weight)."""
-        for w in self.layers:
-            w.qkv, w.o_proj = pack_weight(w.qkv), pack_weight(w.o_proj)
-            w.gate_up, w.down = pack_weight(w.gate_up), pack_weight(w.down)
-        self.lm_head = pack_weight(self.lm_head)
+        """Replace each linear weight by its oneDNN-packed form (engine.cpu_linear)."""
+        pack_decoder_linears(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,

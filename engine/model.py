@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.cpu_linear import pack_weight
+from engine.cpu_linear import pack_decoder_linears
 from engine.layers import RotaryTable, apply_rope, linear, rms_norm, swiglu
 from engine.model_config import ModelConfig
 from engine.model_weights import LayerWeights, Shard, StateReader, layer_weights
@@ -52,11 +52,8 @@ class LlamaModel:
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
 
     def _pack_linears(self) -> None:
-        """Replace each linear weight by its oneDNN-packed form (engine.cpu_linear.pack_weight)."""
-        for w in self.layers:
-            w.qkv, w.o_proj = pack_weight(w.qkv), pack_weight(w.o_proj)
-            w.gate_up, w.down = pack_weight(w.gate_up), pack_weight(w.down)
-        self.lm_head = pack_weight(self.lm_head)
+        """Replace each linear weight by its oneDNN-packed form (engine.cpu_linear)."""
+        pack_decoder_linears(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from executor.http_server import ServerState
 from executor.lattice_client import LatticeClient
@@ -28,6 +29,9 @@ from executor.server_setup import make_state
 from pdserve.config import ServerConfig
 from pdserve.protocol import KVLayoutModel
 
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 5
@@ -35,13 +39,26 @@ RESTART_BACKOFF_S = 1.0
 STOP_GRACE_S = 5.0
 
 
-def lattice_state(cfg: ServerConfig, info: AttachInfo) -> tuple[ServerState, LatticeClient]:
-    """State of one frontend: its tokenizer (no weights), its lattice client, the role's handlers."""
+def load_tokenizer(cfg: ServerConfig) -> "Tokenizer":
+    """The model's tokenizer alone (no EOS ids from the ranks yet): seconds of transformers import
+    and file reads, which frontend 0 overlaps with its ranks' start-up. Raises OSError if absent."""
     from engine.model_files import resolve_model_path
     from engine.tokenizer import Tokenizer
 
+    return Tokenizer.from_model_path(resolve_model_path(cfg.model.path))
+
+
+def lattice_state(cfg: ServerConfig, info: AttachInfo,
+                  preloaded: "Tokenizer | None" = None) -> tuple[ServerState, LatticeClient]:
+    """State of one frontend: its tokenizer (no weights), its lattice client, the role's handlers.
+    ``preloaded``: :func:`load_tokenizer`'s result, if frontend 0 loaded it already; the ranks' EOS
+    ids come first in its EOS list, as :meth:`Tokenizer.from_model_path` would put them."""
+    from engine.tokenizer import Tokenizer
+
     wi = info.worker_info
-    tokenizer = Tokenizer.from_model_path(resolve_model_path(cfg.model.path), list(wi["eos_token_ids"]))
+    eos = [int(e) for e in wi["eos_token_ids"]]
+    tok = preloaded if preloaded is not None else load_tokenizer(cfg)
+    tokenizer = Tokenizer(tok.hf, eos + [e for e in tok.eos_token_ids if e not in eos], tok.source)
     client = LatticeClient(info, tokenizer)
     client.start()
     layouts = [KVLayoutModel.model_validate(x) for x in wi.get("kv_layouts") or [wi["kv_layout"]]]

@@ -10,9 +10,15 @@ Three ways out, watched by :class:`ServerLifecycle` from the HTTP server's main 
   other supervisor (systemd, Kubernetes) sees a plain non-zero exit. Only frontend 0 (the
   server's main process) does this; attached frontends stop with it.
 - **SIGTERM → drain, then exit 0** (what Kubernetes expects before its SIGKILL): the engine stops
-  admitting (every frontend answers new requests and ``/health`` with 503), in-flight requests and
-  parked KV leases get ``engine.drain_grace_s`` to finish, then uvicorn's graceful shutdown sends
-  the last bytes. A second SIGTERM stops at once; SIGINT (Ctrl-C) keeps uvicorn's behaviour.
+  admitting (every frontend answers new requests and ``/health`` with 503), then frontend 0 asks
+  the orchestrator it registered with how to drain (``advisor``, :mod:`executor.drain_advice`). On
+  ``move_kv`` (a gen server with another gen server ready) the engine moves every movable stream
+  at its next decode step: its KV parked here under a lease, its stream ended with a ``moved``
+  event that the orchestrator continues on another gen server, which pulls that KV. Whatever
+  cannot move (``wait``, no orchestrator, n > 1, a stream the orchestrator did not mark movable)
+  finishes here. In-flight requests and parked KV leases (moved ones until their pull) get
+  ``engine.drain_grace_s``; then uvicorn's graceful shutdown sends the last bytes. A second
+  SIGTERM stops at once; SIGINT (Ctrl-C) keeps uvicorn's behaviour.
 - **Normal shutdown** (the lifespan stops the engine): exit 0.
 
 Exit statuses of ``python -m ctx_worker`` / ``gen_worker``: :mod:`pdserve.exit_codes` (0 stopped or
@@ -25,11 +31,13 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
 
+from executor.drain_advice import DrainAdvice
 from executor.engine_client import EngineClient, EngineState
 from pdserve.exit_codes import EXIT_ENGINE_DEAD
 
@@ -59,17 +67,38 @@ def open_work(stats: dict) -> int:
     return max(held, int(stats.get("running_requests", 0)))
 
 
+def drain_summary(stats: dict) -> str:
+    """One log line's worth of what a drain left behind: requests moved (and the KV bytes their
+    targets pulled from here), tokens this engine computed, free / total KV blocks."""
+    sent = stats.get("kv_moved_sent") or {}
+    return (f"moved {int(stats.get('requests_moved', 0))} request(s), {int(sent.get('bytes', 0))} KV bytes sent; "
+            f"tokens computed {int(stats.get('tokens_computed', 0))}; "
+            f"free blocks {stats.get('free_blocks', '?')} of {stats.get('total_blocks', '?')}")
+
+
+Advisor = Callable[[], Awaitable[DrainAdvice]]
+
+
+async def _no_orchestrator() -> DrainAdvice:
+    return DrainAdvice("wait", "no orchestrator to ask (an attached frontend, or a server run alone)")
+
+
 class ServerLifecycle:
     """Decides when the HTTP server stops and its exit status (see the module docstring).
 
+    ``advisor``: how a SIGTERM drains (``move_kv`` or ``wait``), asked once per drain
+    (frontend 0: :meth:`executor.drain_advice.DrainAdvisor.ask`; None: always wait).
     Owner: :class:`LifecycleServer` runs :meth:`watch` as a task of its main loop and cancels it
     when the loop ends. ``exit_code`` is read once uvicorn has returned.
     """
 
-    def __init__(self, client: EngineClient, policy: ExitPolicy, clock=time.monotonic) -> None:
+    def __init__(self, client: EngineClient, policy: ExitPolicy, clock=time.monotonic,
+                 advisor: Advisor | None = None) -> None:
         self.client, self.policy, self._clock = client, policy, clock
+        self._advisor = advisor or _no_orchestrator
         self.exit_code = 0
         self.drain_requested = False
+        self.drain_mode: str | None = None  # how the SIGTERM drain went: "move_kv" or "wait"
 
     def request_drain(self) -> None:
         """Called from the SIGTERM handler (main thread, between bytecodes): only sets a flag."""
@@ -95,31 +124,41 @@ class ServerLifecycle:
         self.exit_code = EXIT_ENGINE_DEAD
 
     async def _drain(self) -> None:
-        """Stop admitting, then wait (bounded) until the engine holds no request and no lease."""
+        """Stop admitting, ask how to drain (moving KV or waiting), then wait (bounded) until the
+        engine holds no request and no lease."""
         t0 = self._clock()
         if self.client.state == EngineState.SERVING:
-            self.client.drain()
-        log.info("SIGTERM: draining (no new requests; up to %.0f s for in-flight ones)", self.policy.drain_grace_s)
-        left = -1
+            self.client.drain()  # first: nothing new is admitted while the orchestrator is asked
+        advice = await self._advisor()
+        self.drain_mode = advice.mode
+        if advice.mode == "move_kv" and self.client.state == EngineState.DRAINING:
+            self.client.drain(move_kv=True)
+            log.info("SIGTERM: draining by moving KV (%s); up to %.0f s for what cannot move", advice.reason,
+                     self.policy.drain_grace_s)
+        else:
+            log.info("SIGTERM: draining by waiting (%s; no new requests; up to %.0f s for in-flight ones)",
+                     advice.reason, self.policy.drain_grace_s)
+        left, stats = -1, {}
         while self._clock() - t0 < self.policy.drain_grace_s:
-            left = await self._open_work()
+            left, stats = await self._open_work()
             if left == 0:
                 break
             await asyncio.sleep(POLL_S)
         if left == 0:
-            log.info("drained in %.2f s; exiting", self._clock() - t0)
+            log.info("drained (%s) in %.2f s: %s; exiting", self.drain_mode, self._clock() - t0, drain_summary(stats))
         else:
             log.warning("drain grace of %.0f s is over with %d request(s) or lease(s) open; exiting anyway",
                         self.policy.drain_grace_s, left)
 
-    async def _open_work(self) -> int:
+    async def _open_work(self) -> tuple[int, dict]:
+        """(requests and leases the engine holds, the stats that says so)."""
         if self.client.state == EngineState.DEAD:
-            return 0  # nothing can finish any more
+            return 0, {}  # nothing can finish any more
         try:
             stats = await self.client.fresh_stats()
         except (TimeoutError, RuntimeError):  # a long step, or the engine died meanwhile
             stats = self.client.stats()
-        return open_work(stats)
+        return open_work(stats), stats
 
 
 class LifecycleServer(uvicorn.Server):

@@ -27,6 +27,7 @@ import httpx
 
 from typing import TYPE_CHECKING
 
+from executor.drain_advice import DrainAdvisor
 from pdserve.auth import auth_headers
 from pdserve.config import ServerConfig
 
@@ -135,3 +136,10 @@ def attach(state: "ServerState") -> Registrar:
     state.on_shutdown.append(registrar.stop)  # shutdown hooks run in reverse: deregister first
     registrar.start()
     return registrar
+
+
+def drain_advisor(registrar: Registrar) -> DrainAdvisor:
+    """Whom a SIGTERM asks how to drain (:mod:`executor.drain_advice`): the orchestrator this server
+    registered with (no notice while it has not registered, or never registers)."""
+    return DrainAdvisor(registrar.target, registrar.url, registrar.cfg.admin_token_env,
+                        lambda: registrar.enabled and registrar.registered)

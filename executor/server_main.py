@@ -19,17 +19,18 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
 
 from executor import registration
-from executor.frontends import AttachedFrontends, lattice_state
+from executor.frontends import AttachedFrontends, lattice_state, load_tokenizer
 from executor.http_server import ServerState, create_server_app
 from executor.kv_role import RankShards
 from executor.proxy import Proxy, StartupError
 from executor.server_setup import kv_layout, load_plugin, make_engine, make_state, worker_plugin
-from executor.lifecycle import ExitPolicy, LifecycleServer, ServerLifecycle
+from executor.lifecycle import Advisor, ExitPolicy, LifecycleServer, ServerLifecycle
 from executor.messages import EngineDead
 from executor.step_guard import guard_engine
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
@@ -93,13 +94,18 @@ def build_lattice_state(cfg: ServerConfig, log_dir: Path) -> ServerState:
         cfg = resolve_dtype_once(cfg, read_cpu_flags())
     t0 = time.perf_counter()
     proxy = Proxy(cfg, cfg.engine.num_frontends, log_dir / f"{cfg.role}{cfg.index}.ranks.log")
-    info = proxy.start(cfg.engine.worker_start_timeout_s)
-    log.info("%s[%d]: %d worker rank(s) ready in %.1f s", cfg.role, cfg.index, cfg.engine.tp_size, time.perf_counter() - t0)
-    try:
-        state, client = lattice_state(cfg, info)
-    except Exception:
-        proxy.stop()  # the ranks are up (or just died): end them and remove the IPC directory
-        raise
+    # The tokenizer (seconds: transformers' import and files) loads while the ranks start, not after:
+    # measured 6.5 s of a tiny-model cold start here that sat after the ranks' READY.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
+        tokenizer = pool.submit(load_tokenizer, cfg)
+        info = proxy.start(cfg.engine.worker_start_timeout_s)
+        log.info("%s[%d]: %d worker rank(s) ready in %.1f s", cfg.role, cfg.index, cfg.engine.tp_size,
+                 time.perf_counter() - t0)
+        try:
+            state, client = lattice_state(cfg, info, tokenizer.result(cfg.engine.worker_start_timeout_s))
+        except Exception:
+            proxy.stop()  # the ranks are up (or just died): end them and remove the IPC directory
+            raise
 
     def watch_ranks() -> None:  # second death path: the MPI job itself ended
         proxy.exited.wait()
@@ -132,11 +138,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(state: ServerState, sock: socket.socket, exit_when_dead: bool = True) -> int:
+def serve(state: ServerState, sock: socket.socket, exit_when_dead: bool = True,
+          advisor: Advisor | None = None) -> int:
     """Run uvicorn on an already bound socket until it stops; the exit status (see
-    :mod:`executor.lifecycle`: 0 stopped or drained after SIGTERM, 75 the engine died)."""
+    :mod:`executor.lifecycle`: 0 stopped or drained after SIGTERM, 75 the engine died).
+    ``advisor``: whom a SIGTERM asks how to drain (frontend 0: the orchestrator; None: wait)."""
     config = uvicorn.Config(create_server_app(state), log_level="warning", timeout_graceful_shutdown=5)
-    lifecycle = ServerLifecycle(state.client, ExitPolicy.of(state.config.engine, exit_when_dead))
+    lifecycle = ServerLifecycle(state.client, ExitPolicy.of(state.config.engine, exit_when_dead), advisor=advisor)
     LifecycleServer(config, lifecycle).run(sockets=[sock])
     return lifecycle.exit_code
 
@@ -181,9 +189,9 @@ def main(role: Role, argv: list[str] | None = None) -> int:
             log.error("start-up failed: %s", err)
             print(f"error: {err}", file=sys.stderr)
             return EXIT_STARTUP
-    registration.attach(state)  # control plane: register + heartbeat (frontend 0 only)
+    registrar = registration.attach(state)  # control plane: register + heartbeat (frontend 0 only)
     log.info("%s[%d]: serving on http://%s:%d", role, cfg.index, cfg.host, cfg.port)
-    code = serve(state, sock)
+    code = serve(state, sock, advisor=registration.drain_advisor(registrar).ask)
     log.info("%s[%d]: exiting with status %d", role, cfg.index, code)
     exit_now(code)
     return code  # not reached

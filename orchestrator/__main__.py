@@ -11,6 +11,7 @@ import uvicorn
 from pdserve.config import TopologyError, load_topology
 
 from .app import create_app
+from .serve_options import SERVE_OPTIONS, freeze_startup_heap
 from pdserve.request_id import install_log_filter
 
 
@@ -36,10 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         from .group_main import run_owner
 
         return run_owner(topology, args.config, args.log_level)
-    # No access-log line per request (the request metrics count them); uvicorn's "auto" loop and
-    # parser are uvloop and httptools, which uvicorn[standard] installs.
-    uvicorn.run(create_app(topology, config_path=args.config), host=s.host, port=s.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5, access_log=False, loop="auto", http="auto")
+    app = create_app(topology, config_path=args.config)
+    freeze_startup_heap()  # see orchestrator/serve_options.py, as for SERVE_OPTIONS
+    uvicorn.run(app, host=s.host, port=s.port, log_level=args.log_level, **SERVE_OPTIONS)
     return 0
 
 

@@ -30,6 +30,7 @@ from pdserve.protocol import ModelCard, ModelList, now_s
 
 from .admission import Admission
 from .disagg import DisaggFlow
+from .drain_notice import answer_drain_notice, find_member
 from .gen_first import GenerationFirstFlow
 from .errors import OrchestratorError, error_response
 from .front import OPENAI_PATHS, serve_openai
@@ -322,6 +323,13 @@ class WorkerRegistration(BaseModel):
     state: str | None = None
 
 
+class DrainNotice(BaseModel):
+    """``POST /cluster/workers/drain``: the member at ``url`` got SIGTERM and is draining."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(..., pattern=r"^https?://[^/]+$")
+
+
 class ScaleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instances: int = Field(..., ge=0)
@@ -355,6 +363,12 @@ def add_control_routes(app: FastAPI, orch: Orchestrator) -> None:
             elif orch.fleet is not None:
                 orch.fleet.note_registered(body.role)
         member.url = body.url
+        pid = (body.model_extra or {}).get("pid")
+        if pid is not None and member.info.get("pid") not in (None, pid):
+            # A new process at this address (a restart): the polls that failed were its
+            # predecessor's, so its registration (sent once its port accepts) admits it now,
+            # not at the next good health poll.
+            member.failures = 0
         member.info = body.model_dump()
         member.last_heartbeat_s = time.monotonic()
         extra = body.model_extra or {}
@@ -391,6 +405,16 @@ def add_control_routes(app: FastAPI, orch: Orchestrator) -> None:
                 member.mark_unhealthy("deregistered (shutting down)")
             return JSONResponse({"removed": member.source == "registered"})
         return error_response(404, f"no member {url}")
+
+    @app.post("/cluster/workers/drain")
+    async def drain_notice(request: Request, body: DrainNotice) -> JSONResponse:
+        """A member got SIGTERM: how it drains (``{"mode", "reason"}``, :mod:`orchestrator.drain_notice`)."""
+        if (denied := refuse(request, open_when_unset=True)) is not None:
+            return denied
+        member = find_member(orch.pools, body.url)
+        if member is None:
+            return error_response(404, f"no member {body.url}")
+        return JSONResponse(answer_drain_notice(orch.settings, orch.pools, member))
 
     @app.post("/cluster/pools/{pool}/scale")
     async def scale(request: Request, pool: str, body: ScaleRequest) -> JSONResponse:

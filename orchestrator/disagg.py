@@ -25,6 +25,7 @@ a subclass that replaces :meth:`DisaggFlow._disaggregated` and reuses the attemp
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -54,7 +55,8 @@ from .prompt_blocks import prompt_blocks
 from .router import RouteHint, Router
 from .sse import answer_to_events
 from .tasks import TaskOwner
-from .upstream import AttemptFailed, check_gen_answer, open_stream, post_json_raw, release_lease
+from .upstream import (AttemptFailed, check_gen_answer, open_stream, post_json_raw, read_answer, release_lease,
+                       start_post)
 
 Response = JSONAnswer | EventStream | StreamAnswer
 
@@ -342,14 +344,29 @@ class DisaggFlow:
         if self._selfcheck is not None:
             self._selfcheck.record(role, ex.hint, predicted, reported_hit(answer))
 
-    async def _context_attempt(self, ex: Exchange, server: Server) -> dict:
+    async def _context_attempt(self, ex: Exchange, server: Server,
+                               then: Callable[[], Awaitable[None]] | None = None) -> dict:
+        """One context phase on ``server``: its checked answer. ``then`` is awaited once the ctx
+        request is written and before its answer is read (generation_first writes its gen request
+        there: the prefill starts first, and no task is needed for either request).
+
+        Raises AttemptFailed (retry elsewhere), UpstreamRejected (4xx, relayed), or what ``then`` raises."""
         predicted = self._predict(server, ex.hint)
         body = {**ex.body, "stream": False,
                 "disaggregated_params": {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}}
         body.pop("stream_options", None)
+        timeout_s = self._settings.request_timeout_s
         with server.track():
-            raw = await post_json_raw(self._client, server, ex.endpoint, jsonio.dumps(body),
-                                      self._settings.request_timeout_s, "ctx", ex.request_id, self._auth.get("ctx", ()))
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            pending = await start_post(self._client, server, ex.endpoint, jsonio.dumps(body), ex.request_id,
+                                       self._auth.get("ctx", ()))
+            if then is not None:
+                try:
+                    await then()
+                except BaseException:
+                    pending.close()  # nobody will read the answer: closing aborts the prefill
+                    raise
+            raw = await read_answer(pending, deadline, "ctx", timeout_s)
         try:
             answer = parse_ctx_answer(raw)
         except ValueError:

@@ -37,6 +37,8 @@ import httpx
 from pdserve.auth import auth_headers
 from pdserve.config import Role, Topology
 
+from .drain_notice import move_kv_refusal
+from .exit_watch import ExitWatch
 from .pools import ROLES, ClusterPools, Server
 from .tasks import LoopTask, TaskOwner
 
@@ -105,6 +107,7 @@ class Fleet:
         self._settings = topology.launcher
         self._expected = {r: 0 for r in ROLES}  # started by someone else (slurm/pdserve.sbatch), not joined yet
         self._expect_until_s = 0.0
+        self._exits = ExitWatch()  # a launched process's exit wakes the reconcile loop at once
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -113,6 +116,7 @@ class Fleet:
     async def stop(self) -> None:
         """Stop the reconcile loop, then every launched server (concurrently, bounded)."""
         await self._loop.stop()
+        self._exits.close()
         live = [i for i in self.instances if i.handle is not None]
         for inst in live:
             inst.stopping = True
@@ -168,11 +172,11 @@ class Fleet:
     # ---- reconcile loop -------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
+            self._wake.clear()  # before: an exit seen during the reconcile wakes the next one at once
             try:
                 await self.reconcile()
             except Exception:  # noqa: BLE001 - the loop must survive a failed launch or poll
                 log.exception("fleet reconcile failed")
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._settings.monitor_interval_s):
                     await self._wake.wait()
@@ -206,6 +210,7 @@ class Fleet:
             log.error("launching %s failed: %s", inst.name, err)
             return
         log.info("launched %s (%s)", inst.name, inst.url or f"{self.backend.kind} {inst.handle}")
+        self._watch_exit(inst)
         if inst.url is not None and self.pools.pool(inst.role).get(inst.url) is None:
             self.pools.pool(inst.role).add(inst.url, "managed", inst.instance_id)
 
@@ -224,6 +229,8 @@ class Fleet:
                 await self.backend.launch(inst)
             except (OSError, RuntimeError) as err:
                 log.error("restarting %s failed: %s", inst.name, err)
+                return
+            self._watch_exit(inst)
             return
         log.error("%s %s died (%s) after %d restarts; giving up on it", inst.name, inst.url or "", why, inst.restarts)
         self.instances.remove(inst)
@@ -231,6 +238,14 @@ class Fleet:
             pool.remove(member, f"died after {inst.restarts} restarts")
         # A fresh instance would get a fresh restart budget: do not loop forever on a broken setup.
         self.targets[inst.role] = max(self.topology.pool(inst.role).min_instances, self.targets[inst.role] - 1)
+
+    def _watch_exit(self, inst: Instance) -> None:
+        """Wake the reconcile loop when ``inst``'s process exits (local processes; the poll of
+        ``monitor_interval_s`` remains for everything else)."""
+        pid_of = getattr(self.backend, "pid", None)
+        pid = pid_of(inst) if pid_of is not None else None
+        if pid is not None:
+            self._exits.watch(pid, self._wake.set)
 
     def _victims(self, role: Role, n: int) -> list[tuple[Server | None, Instance]]:
         """Newest launched instances first (those still loading first of all), then stoppable
@@ -290,11 +305,8 @@ class Fleet:
         settings = self.topology.orchestrator
         if member.role != "gen" or settings.drain_mode != "move_kv":
             return "wait"
-        if settings.migration_limit == 0:
-            why = "migration_limit is 0, so no stream is movable"
-        elif not [s for s in self.pools.pool("gen").ready() if s.url != member.url]:
-            why = "no other gen server is ready to take its requests"
-        else:
+        why = move_kv_refusal(settings, self.pools, member)
+        if why is None:
             return "move_kv"
         log.warning("%s %s: drain_mode move_kv falls back to wait: %s (in-flight requests finish there, "
                     "at most drain_timeout_s %g s)", member.name, member.url, why, settings.drain_timeout_s)

@@ -52,39 +52,39 @@ WAIT_TIMEOUT = "ctx_wait_timeout"  # the error type a gen (or ctx) server gives 
 
 class GenAttempt:
     """The gen half of one generation_first attempt, with no task of its own: :meth:`send` writes
-    its request before the ctx request leaves (:func:`orchestrator.upstream.start_post`), the
-    answer's bytes wait in the connection's buffer while the ctx answer is awaited, and
-    :meth:`response` reads them afterwards: the opened :class:`GenStream` (first byte, i.e. the KV
-    pulled; then the relay owns it) or, for a JSON request, the gen server's answer.
+    its request right after the ctx request was written (:meth:`DisaggFlow._context_attempt`'s
+    ``then``), the answer's bytes wait in the connection's buffer while the ctx answer is awaited,
+    and :meth:`response` reads them afterwards: the opened :class:`GenStream` (first byte, i.e. the
+    KV pulled; then the relay owns it) or, for a JSON request, the gen server's answer.
 
     Counts one in-flight request on ``server`` from :meth:`send` until it fails, is discarded, or
     (a stream) the relay that took it ends. ``lease`` is set once the ctx answer names it.
     """
 
-    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, pending: PendingPost | None,
-                 error: AttemptFailed | None, deadline: float) -> None:
+    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, body: bytes) -> None:
         self.flow, self.ex, self.server = flow, ex, server
         self.lease: Lease | None = None
         self.opened_s: float | None = None  # time.monotonic() when the gen stream's first byte came
-        self._pending, self._error, self._deadline = pending, error, deadline
-        self._counted = True
+        self._body = body
+        self._pending: PendingPost | None = None
+        self._error: AttemptFailed | None = None
+        self._deadline = 0.0
+        self._counted = False
         self._taken = False
 
-    @classmethod
-    async def send(cls, flow: DisaggFlow, ex: Exchange, server: Server, body: bytes) -> "GenAttempt":
-        """Write the gen request now; a connection that cannot be made is the attempt's failure,
-        raised by :meth:`response` (the ctx request still goes out)."""
-        timeout_s = flow._settings.request_timeout_s
-        deadline = asyncio.get_running_loop().time() + timeout_s
+    async def send(self) -> None:
+        """Write the gen request now (once); a connection that cannot be made is the attempt's
+        failure, raised by :meth:`response` (the ctx request is already out)."""
+        timeout_s = self.flow._settings.request_timeout_s
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        self.server.in_flight += 1
+        self.server.served += 1
+        self._counted = True
         try:
-            pending = await start_post(flow._client, server, ex.endpoint, body, ex.request_id,
-                                       flow._auth.get("gen", ()))
-            error = None
+            self._pending = await start_post(self.flow._client, self.server, self.ex.endpoint, self._body,
+                                             self.ex.request_id, self.flow._auth.get("gen", ()))
         except AttemptFailed as err:
-            pending, error = None, err
-        server.in_flight += 1
-        server.served += 1
-        return cls(flow, ex, server, pending, error, deadline)
+            self._error = err
 
     def failed_early(self) -> bool:
         """Whether the attempt already failed for sure (no connection, or a status other than 2xx
@@ -202,8 +202,11 @@ class GenerationFirstFlow(DisaggFlow):
         return response
 
     async def _both(self, ex: Exchange, ctx_server: Server, hint: RouteHint | None) -> tuple[dict, GenAttempt]:
-        """One attempt: the gen request goes out, then the ctx request; returns the ctx answer and the
-        running gen half. Raises AttemptFailed (the ctx attempt failed: the pair is retried)."""
+        """One attempt: the ctx request goes out, then at once the gen request; returns the ctx answer
+        and the running gen half. Raises AttemptFailed (the ctx attempt failed: the pair is retried).
+
+        Why the ctx request first: it is the TTFT's critical path (its server starts the prefill at
+        once), while the gen server only allocates and then waits for that prefill anyway."""
         gen_server = self._routers["gen"].pick(self._pools.gen, set(), hint)
         if gen_server is None:
             raise OrchestratorError(503, f"generation phase impossible: no ready gen server "
@@ -211,12 +214,14 @@ class GenerationFirstFlow(DisaggFlow):
                                     type_="service_unavailable")
         dp = {"request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}
         if ex.stream and self._settings.migration_limit:
-            dp["stream_token_ids"] = True  # the relay keeps the output token ids (migration needs them)
+            # The relay keeps the output token ids, so it can migrate the stream, or move it when
+            # its gen server drains with move_kv (GenPhase.move, as for a context_first stream).
+            dp["stream_token_ids"] = dp["movable"] = True
         if ex.stream and ex.parses:  # a stream is relayed (and parsed) here; a JSON answer is the server's own
             dp["raw_output"] = True
-        gen = await GenAttempt.send(self, ex, gen_server, jsonio.dumps({**ex.body, "disaggregated_params": dp}))
+        gen = GenAttempt(self, ex, gen_server, jsonio.dumps({**ex.body, "disaggregated_params": dp}))
         try:
-            answer = await self._context_attempt(ex, ctx_server)
+            answer = await self._context_attempt(ex, ctx_server, then=gen.send)
         except AttemptFailed as err:
             gen.discard()
             if err.error_type == WAIT_TIMEOUT:  # the gen server gave up on this request: so does the client

@@ -19,6 +19,7 @@ from pdserve.config import Topology
 from pdserve.request_id import install_log_filter
 
 from .process_group import ProcessSpec, bind_public, bind_unix, check_port_free
+from .serve_options import SERVE_OPTIONS, freeze_startup_heap
 
 log = logging.getLogger("orchestrator.group")
 
@@ -28,9 +29,9 @@ STARTUP_FAILURE = 3  # as uvicorn.run: the app's lifespan start failed (e.g. no 
 
 def _serve(app, sockets: list, log_level: str) -> int:
     """Run uvicorn on ``sockets`` until it stops; 0, or :data:`STARTUP_FAILURE` when it never started."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
-                            loop="auto", http="auto")
+    config = uvicorn.Config(app, log_level=log_level, **SERVE_OPTIONS)
     server = uvicorn.Server(config)
+    freeze_startup_heap()  # see orchestrator/serve_options.py
     server.run(sockets=sockets)
     return 0 if server.started else STARTUP_FAILURE
 

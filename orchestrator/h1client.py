@@ -330,8 +330,8 @@ class H1Client:
     async def start(self, base_url: str, path: str, body: bytes,
                     headers: tuple[tuple[str, str], ...] = ()) -> "PendingPost":
         """Write a POST on a pooled (or, awaited, a new) connection and return at once: the request
-        is on its way while the caller does other work (the generation_first dispatch sends its
-        ctx request meanwhile, with no task of its own for this one). Raises UpstreamError
+        is on its way while the caller does other work (the generation_first dispatch writes its
+        gen request while its ctx request is out, with no task of its own for either). Raises UpstreamError
         (connect)."""
         pool = self._pool(base_url)
         head = self._head(pool, path, body, headers)

@@ -1,6 +1,9 @@
 """Dead means restarted (issue 14.1), on the default MPI lattice with the local launcher: a killed
 rank makes its server exit 75 after ``engine.dead_exit_grace_s``; the orchestrator's launcher
-restarts it on the same address, and the replacement is ready about one cold start later. Run for
+restarts it on the same address, and the replacement is ready about one cold start later: what the
+restart adds to the replacement's own start-up (kill -> relaunch: the death's detection, the grace,
+the exit, the launcher's reaction) is at most the grace + 1.5 s, and its registration shows it ready
+within 1.5 s of it serving (issue 14's goal: ready within a cold start + 2 s). Run for
 rank 1 (a TP follower) of a ``tp_size: 2`` server: the same pidfd monitor watches every rank, and the
 death of rank 0 of a one-rank gen server, its exit 75 and its replacement are checked under load by
 tests/control_plane/test_chaos.py (that case ran here too, on a cluster of its own, until the suite
@@ -8,9 +11,11 @@ was trimmed for time)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -56,6 +61,16 @@ def health(url: str) -> int | None:
         return None
 
 
+def log_times(path: Path, marker: str) -> list[float]:
+    """Unix times of the log lines holding ``marker`` (``logging``'s default asctime, local time)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if marker in line and len(line) > 23:
+            with contextlib.suppress(ValueError):
+                out.append(datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return out
+
+
 def test_killed_rank_is_replaced_within_a_cold_start(mpi_cluster):
     c, kill_rank = mpi_cluster
     before = {s["url"] for s in c.servers("gen")}
@@ -73,7 +88,7 @@ def test_killed_rank_is_replaced_within_a_cold_start(mpi_cluster):
     ranks = httpx.get(victim["url"] + "/server_info", timeout=10).json()["ranks"]
     rank = next(r for r in ranks if r["rank"] == kill_rank)
 
-    t_kill = time.monotonic()
+    t_kill, wall_kill = time.monotonic(), time.time()
     os.kill(rank["pid"], signal.SIGKILL)
     t_exit = t_ready = None
     answers = []  # what the dead server said to /health until it exited, in order
@@ -88,9 +103,21 @@ def test_killed_rank_is_replaced_within_a_cold_start(mpi_cluster):
             t_ready = time.monotonic() - t_kill
         time.sleep(0.05)
     seen = sorted(set(answers), key=str)
-    print(f"cold start {cold:.1f} s; rank {kill_rank} of {len(ranks)} killed -> server exited {t_exit} s -> "
-          f"replacement ready {t_ready} s; /health answers meanwhile {seen} (load {os.getloadavg()[0]:.1f})")
     assert t_ready is not None, c.log()
+    # What the restart adds to a cold start: the kill -> the launcher starting the replacement (the
+    # death's detection, dead_exit_grace_s, the exit, the launcher's reaction); the replacement's
+    # own start-up (its launch -> "serving on" -> shown ready) is a cold start, timed in the same
+    # seconds as the restart (the machine's load varies less than between it and `cold` above).
+    (relaunched,) = log_times(c.log_dir / "orchestrator.log", "restart 1 of 2")
+    serving = max(t for log in c.log_dir.glob("gen*.log") for t in log_times(log, f"serving on {victim['url']}"))
+    added, admitted = relaunched - wall_kill, wall_kill + t_ready - serving
+    print(f"cold start {cold:.1f} s; rank {kill_rank} of {len(ranks)} killed -> server exited {t_exit} s -> "
+          f"relaunched {added:.2f} s -> serving {serving - wall_kill:.1f} s -> shown ready {t_ready:.2f} s "
+          f"(the replacement's own start-up {t_ready - added:.1f} s); /health answers meanwhile {seen} "
+          f"(load {os.getloadavg()[0]:.1f})")
+    # The goal: ready within a cold start + 2 s, i.e. the restart adds <= 2 s (grace included).
+    assert added <= GRACE_S + 1.5, added
+    assert admitted <= 1.5, admitted  # its registration admits it (failed polls were its predecessor's)
     full_log = (c.log_dir / "orchestrator.log").read_text(errors="replace")
     assert "exit code 75 (engine dead)); restart 1 of 2" in full_log, c.log()
     assert t_exit is not None and t_exit < GRACE_S + 4.0, t_exit

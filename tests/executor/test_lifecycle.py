@@ -10,7 +10,8 @@ import pytest
 import uvicorn
 
 from executor.engine_client import EngineState
-from executor.lifecycle import ExitPolicy, LifecycleServer, ServerLifecycle, open_work
+from executor.drain_advice import DrainAdvice
+from executor.lifecycle import ExitPolicy, LifecycleServer, ServerLifecycle, drain_summary, open_work
 from pdserve.exit_codes import EXIT_ENGINE_DEAD, describe
 
 
@@ -22,9 +23,11 @@ class FakeClient:
         self.dead_reason: str | None = None
         self.work = 0
         self.drains = 0
+        self.moves = 0  # drain(move_kv=True) calls
 
-    def drain(self) -> None:
+    def drain(self, move_kv: bool = False) -> None:
         self.drains += 1
+        self.moves += move_kv
         self.state = EngineState.DRAINING
 
     def stats(self) -> dict:
@@ -92,6 +95,50 @@ def test_sigterm_drains_waits_for_open_work_then_exits_0():
     elapsed = run(life, server, finish_later)
     assert server.should_exit and life.exit_code == 0
     assert 0.5 <= elapsed < 1.5, elapsed
+
+
+def test_sigterm_moves_kv_when_the_orchestrator_says_so_after_admission_stopped():
+    client, server = FakeClient(), FakeServer()
+    client.work = 3
+    seen = []
+
+    async def advisor() -> DrainAdvice:
+        seen.append(client.state)  # asked only once nothing new is admitted
+        return DrainAdvice("move_kv", "another gen server is ready")
+
+    life = ServerLifecycle(client, ExitPolicy(drain_grace_s=5.0), advisor=advisor)
+
+    async def moved_soon():
+        life.request_drain()
+        await asyncio.sleep(0.3)
+        assert client.moves == 1 and not server.should_exit  # moved leases still wait for their pulls
+        client.work = 0
+
+    elapsed = run(life, server, moved_soon)
+    assert seen == [EngineState.DRAINING] and life.drain_mode == "move_kv"
+    assert server.should_exit and life.exit_code == 0 and elapsed < 1.5
+
+
+@pytest.mark.parametrize("advisor", [None, "wait"])
+def test_sigterm_waits_without_an_orchestrator_or_when_told_to(advisor):
+    client, server = FakeClient(), FakeServer()
+
+    async def says_wait() -> DrainAdvice:
+        return DrainAdvice("wait", "no other gen server is ready to take its requests")
+
+    life = ServerLifecycle(client, ExitPolicy(drain_grace_s=5.0), advisor=says_wait if advisor else None)
+
+    async def sigterm():
+        life.request_drain()
+
+    run(life, server, sigterm)
+    assert client.drains == 1 and client.moves == 0 and life.drain_mode == "wait" and life.exit_code == 0
+
+
+def test_drain_summary_names_moves_bytes_tokens_and_blocks():
+    line = drain_summary({"requests_moved": 6, "kv_moved_sent": {"bytes": 1234}, "tokens_computed": 99,
+                          "free_blocks": 256, "total_blocks": 256})
+    assert line == "moved 6 request(s), 1234 KV bytes sent; tokens computed 99; free blocks 256 of 256"
 
 
 def test_drain_grace_bounds_the_wait():

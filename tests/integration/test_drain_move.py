@@ -6,6 +6,7 @@ Checked: the client's stream / JSON answer equals an undisturbed run token for t
 text and usage too); no recompute (the two gen servers together compute exactly the tokens one
 undisturbed gen server computes, and the target pulls exactly the bytes the drained server sent);
 a server with several running streams is empty within seconds; every KV pool is full afterwards.
+The same for generation_first streams (a second cluster), whose moved text equals the colocated run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ TOKEN = "drain-test-token"
 MAX_TOKENS = 100       # ~5 s of decode at the injected step delay: the drain lands mid-stream; 6 fit the KV cache
 STEP_DELAY_S = "0.05"
 GENS = ("gen", "gen1")
+GENFIRST_TOKENS = 60   # ~3 s of decode: still mid-stream at the drain
 SESSION = {"X-Session-Id": "drain-test"}  # session affinity: every request of the test on one gen server
 
 
@@ -157,12 +160,12 @@ def test_drain_moves_every_stream_without_recompute_in_seconds(cluster):
     wait_empty(cluster, target, 10.0)
 
 
-def run_all(cluster, cases, results: dict | None = None, wait: bool = True):
+def run_all(cluster, cases, results: dict | None = None, wait: bool = True, max_tokens: int = MAX_TOKENS):
     """Run ``cases`` concurrently (same session); with ``wait`` their answers in order, else the threads."""
     results = {} if results is None else results
 
     def one(i, path, stream):
-        results[i] = ask(cluster.url, path, body(path, stream))
+        results[i] = ask(cluster.url, path, body(path, stream, max_tokens))
 
     workers = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s) in enumerate(cases)]
     for w in workers:
@@ -172,3 +175,47 @@ def run_all(cluster, cases, results: dict | None = None, wait: bool = True):
     for w in workers:
         w.join(120)
     return [results[i] for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def genfirst_cluster(tiny_model_dir, tmp_path_factory):
+    """The same cluster shape with ``schedule_style: generation_first`` (both requests leave at once)."""
+    with env_vars({"PDSERVE_TEST_STEP_DELAY_S": STEP_DELAY_S, "PDSERVE_ADMIN_TOKEN": TOKEN}):
+        c = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("drain-gf"), num_gen=2,
+                                  orchestrator={"migration_limit": 2, "session_affinity": "header",
+                                                "kv_aware_balance_threshold": 100,
+                                                "schedule_style": "generation_first"})
+        try:
+            yield c
+        finally:
+            c.stop()
+
+
+def test_generation_first_streams_move_too_and_equal_colocated(genfirst_cluster):
+    """A generation_first stream is movable like a context_first one (the relay follows its token
+    ids): moved mid-decode, its text equals the colocated run's, with no token computed twice."""
+    c, n = genfirst_cluster, GENFIRST_TOKENS
+    cases = [case for case in CASES if case[1]] * 2  # streams (a non-stream generation_first answer is the server's JSON)
+    with ThreadPoolExecutor(2) as pool:  # the reference: both phases on one server, no disaggregation
+        colocated = list(pool.map(lambda case: ask(c.server_url("ctx"), case[0], body(*case, n)), cases[:2]))
+    before = totals(c)
+    results: dict = {}
+    workers = run_all(c, cases, results, wait=False, max_tokens=n)
+    name = busy_gen(c)
+    deadline = time.monotonic() + 30
+    while info(c, name)["scheduled_requests"] < len(cases):
+        assert time.monotonic() < deadline, f"not all {len(cases)} requests decode on {name}: {info(c, name)}"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert drain_move(c, name)["mode"] == "move_kv"
+    wait_empty(c, name, 10.0)
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers)
+    assert [results[i] for i in range(len(cases))] == colocated * 2  # disaggregated and moved == colocated
+    assert info(c, name)["requests_moved"] == len(cases)
+    after = totals(c)
+    target = next(g for g in GENS if g != name)
+    moved_bytes = after[name][2] - before[name][2]
+    assert moved_bytes > 0 and after[target][1] - before[target][1] == moved_bytes  # pulled = parked
+    assert sum(after[g][0] - before[g][0] for g in GENS) == len(cases) * (n - 1)

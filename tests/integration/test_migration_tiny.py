@@ -1,5 +1,20 @@
-"""Real processes, tiny random Llama: seeded requests whose gen server process is killed mid-decode
-continue on another gen server and equal the undisturbed runs token for token (stream and not)."""
+"""Real processes, tiny random Llama, 1 ctx + 3 gen servers: gen servers that leave mid-decode.
+
+In file order, one gen server fewer after each (one cluster for all three: each start of a real
+server costs the suite seconds):
+
+1. **SIGTERM moves KV** (issue 14): SIGTERM to the gen server holding six requests (streams and a
+   non-stream one) makes it ask the orchestrator (``POST /cluster/workers/drain``), which answers
+   ``move_kv`` (the other gen server is ready): its streams end with ``moved`` events, the relay
+   continues them on the other gen servers, which pull their KV; the server exits 0 within 5 s
+   with its KV pool full. Every answer equals the undisturbed greedy run; no recompute (the gen
+   servers together compute exactly the tokens an undisturbed gen phase computes, and the targets
+   pull exactly the KV bytes the drained server sent).
+2. **Kill migrates**: seeded requests whose gen server process is killed mid-decode continue on
+   another gen server and equal the undisturbed runs token for token (stream and not).
+3. **Nowhere to move**: SIGTERM to the last gen server: the orchestrator answers ``wait``, its
+   stream finishes there, exit 0.
+"""
 
 from __future__ import annotations
 
@@ -17,19 +32,25 @@ import yaml
 from tests.integration.conftest import TINY_NAME
 from tests.integration.procs import Cluster, write_topology
 from tests.integration.test_disagg_tiny import plain
+from tests.integration.test_drain_move import ask, body, run_all
 
 STEP_DELAY_S = "0.03"  # gen servers decode slowly enough to be killed mid-stream (~33 tokens/s)
 MAX_TOKENS = 48
+MOVE_TOKENS = 100      # SIGTERM test: ~3 s of decode, the SIGTERM lands mid-stream
+MOVE_CASES = (("/v1/completions", True), ("/v1/chat/completions", True), ("/v1/completions", False))
+SUMMARY = re.compile(r"drained \((\w+)\) in ([\d.]+) s: moved (\d+) request\(s\), (\d+) KV bytes sent; "
+                     r"tokens computed (\d+); free blocks (\d+) of (\d+)")
 
 
 @pytest.fixture(scope="module")
 def migration_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
-    """1 ctx + 2 gen servers. The gen servers run the engine in-process (``executor: inproc``): they
+    """1 ctx + 3 gen servers (one for each test to take away). The gen servers run the engine in-process (``executor: inproc``): they
     start faster, and SIGKILL of the one process leaves no rank behind. Session affinity on a
-    header puts both requests of the test on one gen server, so one kill hits both."""
+    header (and a balance threshold above any test's load) puts every request of a test on one gen
+    server, so one kill or SIGTERM hits them all."""
     topo = write_topology(tmp_path_factory.mktemp("topo") / "migration.yaml", str(tiny_model_dir), TINY_NAME,
-                          num_gen=2, orchestrator={"migration_limit": 2, "health_interval_s": 0.1,
-                                                   "session_affinity": "header"})
+                          num_gen=3, orchestrator={"migration_limit": 2, "health_interval_s": 0.1,
+                                                   "session_affinity": "header", "kv_aware_balance_threshold": 100})
     doc = yaml.safe_load(topo.read_text())
     doc["pools"]["gen"]["engine"] = {"executor": "inproc"}
     topo.write_text(yaml.safe_dump(doc))
@@ -114,6 +135,84 @@ def migrations(cluster: Cluster) -> float:
     return 0.0
 
 
+def info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=10).json()
+
+
+def gens(c: Cluster) -> dict[str, str]:
+    """Live gen servers: process name -> URL."""
+    return {f"gen{i}": c.server_url("gen", i) for i in range(3) if f"gen{i}" in c.procs.procs}
+
+
+def decoding_gen(c: Cluster, n: int, timeout_s: float = 30.0) -> str:
+    """The process name of the gen server decoding ``n`` requests."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, url in gens(c).items():
+            if info(url).get("scheduled_requests", 0) >= n:
+                return name
+        time.sleep(0.05)
+    raise AssertionError(f"no gen server decodes {n} requests: {[info(u) for u in gens(c).values()]}")
+
+
+def sigterm(c: Cluster, name: str, timeout_s: float = 30.0) -> tuple[int, float]:
+    """SIGTERM the process ``name``; (its exit status, seconds from the signal to its exit)."""
+    proc = c.procs.procs.pop(name)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout_s)
+    return code, time.monotonic() - t0
+
+
+def counters(url: str) -> tuple[int, int]:
+    """(tokens this engine computed, KV bytes it pulled)."""
+    s = info(url)
+    return s["tokens_computed"], s["kv_transfer"]["received"]["bytes"]
+
+
+def metric(c: Cluster, name: str) -> float:
+    for line in httpx.get(c.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_sigterm_moves_every_stream_to_the_other_gen_server_and_exits_0_in_seconds(migration_cluster):
+    c = migration_cluster
+    cases = list(MOVE_CASES) * 2  # 6 requests: streams and a non-stream one (streamed internally, so movable)
+    expected = run_all(c, cases[:3], max_tokens=MOVE_TOKENS)
+    assert all(usage["completion_tokens"] == MOVE_TOKENS for _, usage in expected)
+    before = {name: counters(url) for name, url in gens(c).items()}
+    results: dict = {}
+    workers = run_all(c, cases, results, wait=False, max_tokens=MOVE_TOKENS)
+    victim = decoding_gen(c, len(cases))
+    others = [n for n in gens(c) if n != victim]
+    time.sleep(0.3)  # a few tokens decoded there
+    code, exit_s = sigterm(c, victim)
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers)
+    log = c.procs.log(victim)
+    assert code == 0 and exit_s < 5.0, (code, exit_s, log[-3000:])
+    # One stream each, equal to the undisturbed run: same text, same usage, nothing repeated or missing.
+    assert [results[i] for i in range(len(cases))] == expected * 2
+    assert "SIGTERM: draining by moving KV" in log, log[-3000:]
+    summary = SUMMARY.search(log)
+    assert summary is not None, log[-3000:]
+    print(f"SIGTERM -> {summary.group(0)}; exit {code} in {exit_s:.2f} s")
+    mode, _, moved, sent, computed, free, total = summary.groups()
+    assert mode == "move_kv" and int(moved) == len(cases) and int(free) == int(total), summary.group(0)
+    after = {n: counters(gens(c)[n]) for n in others}
+    pulled = sum(after[n][1] - before[n][1] for n in others)
+    assert int(sent) > 0 and pulled == int(sent)  # pulled = parked there: nothing prefilled again
+    # Undisturbed, a gen phase computes MOVE_TOKENS - 1 tokens (the ctx server sampled the first);
+    # moved, the gen servers together compute exactly as many: no token is computed twice.
+    computed_all = int(computed) - before[victim][0] + sum(after[n][0] - before[n][0] for n in others)
+    assert computed_all == len(cases) * (MOVE_TOKENS - 1), computed_all
+    assert metric(c, "pdserve_orchestrator_kv_moves_total") == len(cases)
+    assert metric(c, "pdserve_orchestrator_migrations_total") == 0  # moved, never migrated
+
+
 def test_killed_gen_server_mid_decode_migrates_and_equals_the_undisturbed_runs(migration_cluster):
     c = migration_cluster
     reference = {case: run_lp(c.url, case[0], seeded(*case)) for case in CASES}
@@ -139,3 +238,23 @@ def test_killed_gen_server_mid_decode_migrates_and_equals_the_undisturbed_runs(m
     # reproduce a seeded text): the orchestrator handed it more than the ctx server's first token.
     handed = [int(m) for m in re.findall(r"migrating the request \((\d+) generated tokens", c.procs.log("orchestrator"))]
     assert len(handed) == len(CASES) and all(1 < k < MAX_TOKENS for k in handed), handed
+
+
+def test_the_last_gen_server_has_nowhere_to_move_and_drains_by_waiting(migration_cluster):
+    c = migration_cluster
+    (name, _), = gens(c).items()  # the SIGTERM and the kill above left one
+    path, stream = MOVE_CASES[0]
+    short = body(path, stream, 40)  # ~1.2 s of decode at the injected step delay
+    expected = ask(c.url, path, short)
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(ask(c.url, path, short)))
+    worker.start()
+    decoding_gen(c, 1)
+    code, exit_s = sigterm(c, name)
+    worker.join(60)
+    log = c.procs.log(name)
+    assert code == 0 and result == [expected], (code, result, log[-3000:])
+    assert "SIGTERM: draining by waiting (no other gen server is ready to take its requests" in log, log[-3000:]
+    summary = SUMMARY.search(log)
+    assert summary is not None and summary.group(1) == "wait", log[-3000:]
+    print(f"SIGTERM, nowhere to move -> {summary.group(0)}; exit {code} in {exit_s:.2f} s")

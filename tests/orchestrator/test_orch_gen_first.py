@@ -33,7 +33,8 @@ def test_gen_request_names_the_ctx_server_and_waits_for_its_lease(make_cluster, 
     assert ctx_dp["request_type"] == "context_only" and ctx_body["stream"] is False
     assert dp == {"request_type": "generation_only", "disagg_request_id": ctx_dp["disagg_request_id"],
                   "ctx_url": c.ctx[0].server.url,  # nothing of the ctx answer: it did not exist yet
-                  **({"stream_token_ids": True} if stream else {})}  # a stream keeps its ids (migration)
+                  # a stream keeps its ids (migration) and may move off a gen server that drains
+                  **({"stream_token_ids": True, "movable": True} if stream else {})}
     assert c.gen[0].record.sources == list(c.ctx[0].record.leases)  # the wait returned the parked lease
     assert c.ctx[0].record.releases == []
 
@@ -45,6 +46,28 @@ def test_gen_request_leaves_with_the_ctx_request(make_cluster):
     assert r.status_code == 200 and stream_text(parse_sse(r.content), chat=False) == text_of(5)
     (ctx_t,), (gen_t,) = c.ctx[0].record.arrived_s, c.gen[0].record.arrived_s
     assert gen_t < ctx_t + 0.25  # long before the ctx answer (0.5 s after ctx_t)
+
+
+def test_ctx_request_is_written_before_the_gen_request(make_cluster, monkeypatch):
+    """The ctx request is the TTFT's critical path: it leaves first, the gen request right after it
+    (before the ctx answer is awaited), both on the upstream client's hot path."""
+    from orchestrator.h1client import H1Client
+
+    c = make_cluster(schedule_style="generation_first", behaviors={"ctx": [{"ctx_delay_s": 0.3}]})
+    written: list[str] = []
+    start = H1Client.start
+
+    async def recording_start(self, base_url, path, body, headers=()):
+        pending = await start(self, base_url, path, body, headers)
+        written.append(base_url)  # after start returned: the request is on its connection
+        return pending
+
+    monkeypatch.setattr(H1Client, "start", recording_start)
+    r = httpx.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=10)
+    assert r.status_code == 200 and stream_text(parse_sse(r.content), chat=False) == text_of(5)
+    assert written[:2] == [c.ctx[0].server.url, c.gen[0].server.url]
+    (ctx_t,), (gen_t,) = c.ctx[0].record.arrived_s, c.gen[0].record.arrived_s
+    assert gen_t < ctx_t + 0.15  # and it did not wait for the ctx answer (0.3 s after ctx_t)
 
 
 def test_finished_at_first_token_cancels_the_gen_request(make_cluster):

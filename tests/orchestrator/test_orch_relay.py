@@ -122,15 +122,22 @@ def test_migration_limit_0_ends_the_stream_with_an_error_event(make_cluster):
     assert c.gen[1].record.bodies == []
 
 
+@pytest.mark.parametrize("style", ["context_first", "generation_first"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_moved_stream_continues_on_another_gen_server_that_pulls_its_kv(make_cluster, stream):
+def test_a_moved_stream_continues_on_another_gen_server_that_pulls_its_kv(make_cluster, stream, style):
     """Drain by moving KV: the draining gen server ends the stream with a moved event; the relay sends
     the request to the other gen server with that lease (no second prefill) and the client sees one
-    stream with every token once."""
-    c = make_cluster(n_gen=2)
+    stream with every token once. generation_first: the same for a stream; a non-stream request is
+    relayed as the gen server's JSON, so it is not movable and finishes where it is."""
+    c = make_cluster(n_gen=2, schedule_style=style)
     c.gen[0].behavior.moved_after_chunks = 3
     req = {**COMPLETION, "max_tokens": 6, "stream_options": {"include_usage": True}} if stream else \
         {**COMPLETION, "max_tokens": 6}
+    if style == "generation_first" and not stream:
+        r = httpx.post(c.url + "/v1/completions", json=req, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text_of(6), r.text
+        assert "movable" not in c.gen[0].record.bodies[0]["disaggregated_params"] and c.gen[1].record.bodies == []
+        return
     if stream:
         events, _ = stream_events(c.url + "/v1/completions", req)
         assert stream_text(events, chat=False) == text_of(6) and events[-1] == "[DONE]"
@@ -145,6 +152,7 @@ def test_a_moved_stream_continues_on_another_gen_server_that_pulls_its_kv(make_c
     assert len(c.ctx[0].record.bodies) == 1  # no prefill again: the target pulls the moved KV
     first, moved = (g.record.bodies[0]["disaggregated_params"] for g in c.gen)
     assert first["movable"] is True and moved["request_type"] == "generation_only"
+    assert ("ctx_url" in first) == (style == "generation_first")
     assert moved["ctx_request_id"].startswith("moved-") and moved["first_gen_tokens"] == [0, 1, 2]
     assert moved["kv_num_tokens"] == 3 + 2 and moved["kv_endpoint"] == "tcp://127.0.0.1:2"
     metrics = httpx.get(c.url + "/metrics", timeout=5).text
