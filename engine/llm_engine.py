@@ -99,7 +99,7 @@ class LLMEngine:
                                   Sampler(model.config.eos_token_ids), config.device)
         self._plans: PlanBroadcaster | None = None
         if not self.tp.is_driver:
-            barrier(self.tp)  # rank 0 loads a tokenizer too: wait for it here, not for a plan
+            barrier(self.tp, startup=True)  # rank 0 loads a tokenizer too: wait for it here, not for a plan
             log.info("engine TP rank %d/%d loaded %s (%s) in %.2f s", self.tp.rank, self.tp.size,
                      path, config.dtype, time.perf_counter() - t0)
             return
@@ -124,7 +124,7 @@ class LLMEngine:
         self._pending_copies: list[tuple[int, int]] = []  # fork block copies the TP followers still owe
         self._grammar_wait: list[Sequence] = []  # structured-output requests before the grammar library is ready
         if self.tp.enabled:
-            barrier(self.tp)
+            barrier(self.tp, startup=True)
             self._plans = PlanBroadcaster(self.tp)
         log.info("engine loaded %s (%s) in %.2f s", path, config.dtype, time.perf_counter() - t0)
 

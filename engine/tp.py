@@ -31,6 +31,9 @@ class TPContext:
     size == 1: no TP, torch.distributed is never touched. group: the process group of the
     all-reduces; cpu_group: the (gloo) group the plans travel on (== group for gloo).
     timeout_s: the process groups' timeout, which bounds every blocking collective.
+    startup_group: a gloo group bounded by the rendezvous timeout instead (``init_tp``'s
+    connect_timeout_s), for the start-up barriers: ranks load weights and rank 0 a tokenizer at
+    different speeds, and that skew is start-up time, not a stalled peer. None: cpu_group.
     """
 
     rank: int = 0
@@ -38,6 +41,7 @@ class TPContext:
     group: Any = None
     cpu_group: Any = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    startup_group: Any = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -96,8 +100,12 @@ def init_tp(rank: int, size: int, master_addr: str = "127.0.0.1", master_port: i
     if connect != timeout:  # the world group keeps the rendezvous timeout: use a fresh group
         group = dist.new_group(backend=backend, timeout=timeout)
     cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    startup_group = cpu_group
+    if connect != timeout:  # every rank creates the same groups in the same order
+        startup_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=connect)
     log.info("TP rank %d/%d joined (%s, timeout %.1f s)", rank, size, backend, timeout_s)
-    return TPContext(rank=rank, size=size, group=group, cpu_group=cpu_group, timeout_s=timeout_s)
+    return TPContext(rank=rank, size=size, group=group, cpu_group=cpu_group, timeout_s=timeout_s,
+                     startup_group=startup_group)
 
 
 def all_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
@@ -183,8 +191,9 @@ class PlanBroadcaster:
                 return
 
 
-def barrier(tp: TPContext) -> None:
-    """All ranks meet (bounded by the group's timeout); no-op without TP."""
+def barrier(tp: TPContext, startup: bool = False) -> None:
+    """All ranks meet, bounded by the group's timeout (``startup``: by the rendezvous timeout, see
+    TPContext.startup_group); no-op without TP. Raises RuntimeError from torch on a timeout."""
     if tp.enabled:
         import torch.distributed as dist
-        dist.barrier(group=tp.cpu_group)
+        dist.barrier(group=(tp.startup_group or tp.cpu_group) if startup else tp.cpu_group)

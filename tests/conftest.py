@@ -20,7 +20,12 @@ Rules (the suite runs under pytest-xdist, ``-n 2 --dist loadfile``, see pyprojec
 
 - A file's tests run on one worker, in file order, so module-scoped fixtures are shared as
   written; a module must not depend on another module's state or order. Session fixtures are
-  built once per worker.
+  built once per worker that uses them.
+- Files are handed out longest first (``COST_S`` in tests/xdist_plan.py), so both workers finish
+  together: a new file that takes more than ~10 s goes into ``COST_S``. Files that share an
+  expensive session fixture (``tiny_cluster``, ``smollm2_engine``, ``family_dirs``) form one unit
+  there (``SHARED``) and run on one worker, which builds that fixture once: a new user of one of
+  them joins its group.
 - Ports come from :func:`tests.integration.procs.free_port` or ``port: 0``; files and IPC paths
   from ``tmp_path``/``tmp_path_factory`` (never a fixed name: two workers run at once).
 - A time bound in a test is relative to something measured in the same test (a cold start, the
@@ -44,6 +49,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+
+from tests import xdist_plan  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (tests/xdist_plan.py: the two workers then finish together)."""
+    xdist_plan.order_items(items)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with tests/xdist_plan.py's units and order (xdist's own otherwise)."""
+    return xdist_plan.make_scheduler(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,5 @@ def test_layout_mismatch_is_refused_at_join(tiny_model_dir, procs, tmp_path,  # 
         assert r.status_code >= 500
         assert "is refused: KV layout mismatch" in procs.log(names["orchestrator"])
     finally:  # this case's processes end with it
-        for name in (names["orchestrator"], names["gen"], names["ctx"]):
-            if name in procs.procs:
-                procs.stop(name)
+        procs.stop(*(name for name in (names["orchestrator"], names["gen"], names["ctx"]) if name in procs.procs))
 

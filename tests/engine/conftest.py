@@ -14,7 +14,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from engine import LLMEngine  # noqa: E402
 from engine.model_files import resolve_model_path  # noqa: E402
-from engine.tiny import make_tiny_llama  # noqa: E402
 from engine_testutil import cpu_settings  # noqa: E402
 
 # The machine's 2 cores, shared by the pytest-xdist workers (PYTEST_XDIST_WORKER_COUNT in each).
@@ -27,12 +26,10 @@ def smollm2_engine() -> LLMEngine:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, smollm2_engine) -> Path:
-    # Reuse the SmolLM2 tokenizer already loaded.
-    tok_dir = tmp_path_factory.mktemp("smollm2_tokenizer")
-    smollm2_engine.tokenizer.hf.save_pretrained(str(tok_dir))
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", seed=0,
-                           tokenizer_from=str(tok_dir))
+def tiny_dir(tiny_model_dir) -> Path:
+    """The suite's tiny random Llama (tests/conftest.py's ``tiny_model_dir``: seed 0, the SmolLM2
+    tokenizer), without loading SmolLM2's weights for it (a tiny-only worker never needs them)."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")
