@@ -84,7 +84,7 @@ class Gemma3Model:
             else lm_head.to(dtype)
         reader.check_all_used()
         if pack_cpu_linears:
-            self._pack_linears()
+            pack_decoder_linears(self)  # each linear weight -> its oneDNN-packed form
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
         # full layers: rope_theta (+ scaling); sliding ones: local_rope_theta, unscaled (HF's
         # rope per layer type: by the layer's type, not by whichever window a test ablates)
@@ -95,10 +95,6 @@ class Gemma3Model:
             RotaryTable(config.head_dim, config.local_rope_theta, dtype)
         self.attn_scale = config.attn_scale
         self.final_softcap = config.final_logit_softcap
-
-    def _pack_linears(self) -> None:
-        """Replace each linear weight by its oneDNN-packed form (engine.cpu_linear)."""
-        pack_decoder_linears(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,

@@ -46,14 +46,10 @@ class LlamaModel:
             else lm_head.to(dtype)
         reader.check_all_used()
         if pack_cpu_linears:
-            self._pack_linears()
+            pack_decoder_linears(self)  # each linear weight -> its oneDNN-packed form
         self.rope = RotaryTable(config.head_dim, config.rope_theta, dtype,
                                 scaling=config.rope_scaling)
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
-
-    def _pack_linears(self) -> None:
-        """Replace each linear weight by its oneDNN-packed form (engine.cpu_linear)."""
-        pack_decoder_linears(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
