@@ -146,10 +146,12 @@ class Proxy:
             if left <= 0:
                 missing = sorted(set(range(tp)) - {r.rank for r in ready.values()})
                 raise StartupError(f"worker rank(s) {missing} not ready within {timeout_s:g} s (log: {self.rank_log})")
-            if self.proc.poll() is not None:
-                raise StartupError(f"worker ranks exited during start-up (mpiexec exit code {self.proc.returncode}); "
-                                   f"ranks that said hello: {sorted(hello)}; log: {self.rank_log}\n{_tail(self.rank_log)}")
-            if not router.poll(int(min(left, 0.2) * 1000)):
+            exited = self.proc.poll() is not None
+            if not router.poll(0 if exited else int(min(left, 0.2) * 1000)):
+                if exited:  # every message the ranks sent before they exited has been read
+                    raise StartupError(f"worker ranks exited during start-up (mpiexec exit code "
+                                       f"{self.proc.returncode}); ranks that said hello: {sorted(hello)}; "
+                                       f"log: {self.rank_log}\n{_tail(self.rank_log)}")
                 continue
             identity, data = router.recv_multipart()
             msg = self.codec.try_decode(data)
@@ -157,7 +159,7 @@ class Proxy:
                 continue
             if isinstance(msg, RankHello):
                 hello[msg.rank] = (msg.pid, msg.start_time)
-            elif isinstance(msg, RankFailed):
+            elif isinstance(msg, RankFailed):  # read even after the ranks exited: it names the cause
                 raise StartupError(f"worker rank {msg.rank} failed during start-up: {msg.cause} (log: {self.rank_log})")
             elif isinstance(msg, RankReady):
                 pid, start = hello[msg.rank]
