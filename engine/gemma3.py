@@ -20,7 +20,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.cpu_linear import pack_decoder_linears
 from engine.layers import RotaryTable, apply_rope, geglu, linear, offset_rms_norm, softcap
 from engine.model_config import ModelConfig
-from engine.model_weights import Shard, StateReader, projections
+from engine.model_weights import Shard, StateReader, lm_head_weight, projections
 from engine.tp import NO_TP, TPContext, all_reduce
 
 
@@ -79,9 +79,7 @@ class Gemma3Model:
                                                                          device=self.embed.device)
         self.layers = [gemma3_layer(reader, i, dtype, self.shard) for i in range(config.num_layers)]
         self.norm = offset_scale(reader["model.norm.weight"], dtype)
-        lm_head = reader.optional("lm_head.weight")
-        self.lm_head = self.embed if lm_head is None or config.tie_word_embeddings \
-            else lm_head.to(dtype)
+        self.lm_head = lm_head_weight(reader, self.embed, config, dtype)
         reader.check_all_used()
         if pack_cpu_linears:
             pack_decoder_linears(self)  # each linear weight -> its oneDNN-packed form

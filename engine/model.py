@@ -11,7 +11,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.cpu_linear import pack_decoder_linears
 from engine.layers import RotaryTable, apply_rope, linear, rms_norm, swiglu
 from engine.model_config import ModelConfig
-from engine.model_weights import LayerWeights, Shard, StateReader, layer_weights
+from engine.model_weights import LayerWeights, Shard, StateReader, layer_weights, lm_head_weight
 from engine.tp import NO_TP, TPContext, all_reduce
 
 
@@ -41,9 +41,7 @@ class LlamaModel:
         self.layers = [layer_weights(reader, i, dtype, self.shard, config.qk_norm)
                        for i in range(config.num_layers)]
         self.norm = reader["model.norm.weight"].to(dtype)
-        lm_head = reader.optional("lm_head.weight")
-        self.lm_head = self.embed if lm_head is None or config.tie_word_embeddings \
-            else lm_head.to(dtype)
+        self.lm_head = lm_head_weight(reader, self.embed, config, dtype)
         reader.check_all_used()
         if pack_cpu_linears:
             pack_decoder_linears(self)  # each linear weight -> its oneDNN-packed form

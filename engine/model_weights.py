@@ -114,3 +114,10 @@ def layer_weights(state: StateReader, i: int, dtype: torch.dtype, sh: Shard,
         k_norm=state[a + "k_norm.weight"].to(dtype) if qk_norm else None,
         **projections(state, i, dtype, sh),
     )
+
+
+def lm_head_weight(state: StateReader, embed: torch.Tensor, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    """The vocabulary projection [vocab, hidden]: ``lm_head.weight`` in ``dtype``, or the embedding
+    itself when the checkpoint has none or ties them (``tie_word_embeddings``)."""
+    lm_head = state.optional("lm_head.weight")
+    return embed if lm_head is None or config.tie_word_embeddings else lm_head.to(dtype)
