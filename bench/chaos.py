@@ -56,7 +56,7 @@ def topology(log_dir: Path, model_path: str, model: str) -> dict:
     return {
         "model": {"path": model_path, "name": model},
         "engine": {"dtype": "float32", "block_size": 16, "num_kv_blocks": 512, "max_batch_size": 16,
-                   "num_threads": 1, "dead_exit_grace_s": 1.0},
+                   "num_threads": 1},  # engine.dead_exit_grace_s: the default
         "kv_transfer": {"lease_ms": 10000, "timeout_ms": 10000},
         "orchestrator": {"host": "127.0.0.1", "port": free_port(), "health_interval_s": 0.2,
                          "heartbeat_ttl_s": 10, "drain_timeout_s": 60, "startup_timeout_s": 600},
