@@ -196,8 +196,10 @@ def test_a_call_cut_by_max_tokens_keeps_length(clients, script, tok):
 
 def test_tool_choice_none_and_no_bias_are_plain_text(clients, script):
     script(CALL_TEXT)
-    got = answer(clients["disagg"], False, tools=[WEATHER], tool_choice="none", extra_body=BIAS)
-    assert got == {"content": CALL_TEXT, "reasoning": None, "calls": [], "finish": "stop"}
+    for name in ("disagg", "colocated"):
+        for stream in (False, True):
+            got = answer(clients[name], stream, tools=[WEATHER], tool_choice="none", extra_body=BIAS)
+            assert got == {"content": CALL_TEXT, "reasoning": None, "calls": [], "finish": "stop"}, (name, stream)
 
 
 def test_bad_requests_are_400_on_the_server_too(clients):
@@ -238,11 +240,13 @@ def test_required_calls_one_of_the_tools(clients):
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (SHORT_WEATHER, TIME)}
     for seed in (4, 5):
-        got = answer(clients["disagg"], False, tools=[SHORT_WEATHER, TIME], tool_choice="required", temperature=1.0,
-                     seed=seed, max_tokens=60)
+        kw = dict(tools=[SHORT_WEATHER, TIME], tool_choice="required", temperature=1.0, seed=seed, max_tokens=60)
+        got = answer(clients["disagg"], False, **kw)
         (name, arguments), = got["calls"]
         assert got["finish"] == "tool_calls"
         jsonschema.validate(json.loads(arguments), schemas[name])
+        for client, stream in (("disagg", True), ("colocated", False), ("colocated", True)):
+            assert answer(clients[client], stream, **kw) == got, (client, stream)
 
 
 def test_a_forced_choice_with_response_format_is_a_400(clients):
