@@ -169,3 +169,19 @@ def test_negative_control_the_sliding_layers_rule_on_a_mixed_model_fails_loudly(
     eng.scheduler.sliding_window = WINDOW
     with pytest.raises(IndexError):
         _turns(eng, evict=3)
+
+
+def test_mixed_windows_turn_two_pulls_only_new_blocks_and_equals_colocated(family_dirs):
+    """A gen server's reuse under Gemma 3's windows: turn 2 shares the blocks turn 1 left in the gen
+    cache and pulls the rest; the tokens equal a colocated engine without a cache."""
+    from test_partial_pull import _ctx_turn, _gen_turn
+    ctx, gen = _mixed_engine(family_dirs, "gemma3"), _mixed_engine(family_dirs, "gemma3")
+    turn1 = prompts(seed=6)[2]                                       # 36 tokens: 9 blocks
+    answer1, pull1 = _gen_turn(gen, ctx, "g1", turn1, _ctx_turn(ctx, "c1", turn1, 8), 8)
+    assert pull1.first_block == 0 and len(pull1.block_ids) == 9
+    turn2 = turn1 + answer1 + prompts(seed=7)[0][:6]                 # 50 tokens: 13 blocks
+    answer2, pull2 = _gen_turn(gen, ctx, "g2", turn2, _ctx_turn(ctx, "c2", turn2, 8), 8)
+    assert pull2.first_block == 10 and len(pull2.block_ids) == 3   # 36 + 7 decoded on gen: 10 full blocks
+    off = LLMEngine(cpu_settings(num_kv_blocks=64, block_size=BS, enable_prefix_caching=False),
+                    str(family_dirs["gemma3"]), kv_connector="none")
+    assert answer2 == run_all(off, [EngineRequest("co", turn2, greedy(8))])["co"]["tokens"]
