@@ -159,6 +159,31 @@ def test_the_template_gets_tools_history_and_kwargs(cluster):
     assert "<think>" not in rendered(cluster.server_url("gen"), {"messages": HISTORY})
 
 
+def test_chat_template_kwargs_reach_the_template_of_a_chat_call(clients, cluster):
+    """enable_thinking false adds the template's empty think block: the prompt the chat call counts
+    grows by exactly its tokens, and the answer (greedy) is the same on both paths, stream and not."""
+    think = {"chat_template_kwargs": {"enable_thinking": False}}
+    counts = {key: httpx.post(cluster.url + "/tokenize", json={"model": MODEL, "messages": HISTORY[:1], **body},
+                              timeout=30).json()["count"] for key, body in (("plain", {}), ("think", think))}
+    assert counts["think"] > counts["plain"]
+    texts = set()
+    for name in ("disagg", "colocated"):
+        for stream in (False, True):
+            for key, extra in (("plain", {}), ("think", think)):
+                kw = dict(model=MODEL, messages=HISTORY[:1], max_tokens=6, temperature=0,
+                          extra_body={"ignore_eos": True, **extra})
+                if stream:
+                    chunks = list(clients[name].chat.completions.create(
+                        **kw, stream=True, stream_options={"include_usage": True}))
+                    usage, text = chunks[-1].usage, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                else:
+                    r = clients[name].chat.completions.create(**kw)
+                    usage, text = r.usage, r.choices[0].message.content
+                assert usage.prompt_tokens == counts[key], (name, stream, key)
+                texts.add((key, text))
+    assert len(texts) == 2, texts   # one answer per template variant, everywhere the same
+
+
 def test_history_with_tool_messages_disaggregated_equals_colocated(clients):
     kw = dict(messages=HISTORY, tools=[WEATHER], max_tokens=12, extra_body={"ignore_eos": True})
     want = answer(clients["colocated"], False, **kw)
