@@ -33,6 +33,7 @@ from executor.server_setup import kv_layout, load_plugin, make_engine, make_stat
 from executor.lifecycle import Advisor, ExitPolicy, LifecycleServer, ServerLifecycle
 from executor.messages import EngineDead
 from executor.step_guard import guard_engine
+from pdserve.api_keys import MissingApiKey, load_api_key
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
 from pdserve.devices import visible_cuda_devices
 from pdserve.dtypes import emulation_warning, read_cpu_flags
@@ -167,7 +168,8 @@ def main(role: Role, argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {role}[{args.index}] %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_topology(args.config).server_config(role, args.index, host=args.host, port=args.port)
-    except (TopologyError, IndexError) as err:
+        load_api_key(cfg.api_key_env)  # unset or empty: refuse at once, before any rank starts
+    except (TopologyError, IndexError, MissingApiKey) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     try:
