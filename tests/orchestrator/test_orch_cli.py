@@ -53,6 +53,15 @@ def test_curl_line_names_model_and_url():
     line = curl_line(load_topology(LOCAL), "http://127.0.0.1:8000")
     assert line.startswith("curl http://127.0.0.1:8000/v1/chat/completions")
     assert '"model": "SmolLM2-135M-Instruct"' in line
+    assert "Authorization" not in line  # no API key configured
+
+
+def test_curl_line_sends_the_api_key_when_one_is_configured():
+    base = load_topology(LOCAL)
+    orch = base.orchestrator.model_copy(update={"api_key_env": "MY_PDSERVE_KEY"})
+    topology = base.model_copy(update={"orchestrator": orch})
+    line = curl_line(topology, "http://127.0.0.1:8000")
+    assert '-H "Authorization: Bearer $MY_PDSERVE_KEY"' in line  # the shell expands it, the secret is not printed
 
 
 @pytest.mark.parametrize("flag", [False, True])
