@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import shutil
 import subprocess
 import sys
 import threading
@@ -90,6 +91,8 @@ def main() -> int:
     suffix = "" if a.style == "context_first" else "-gen-first"
     out = RESULTS / "overhead" / f"profile-{a.router}{suffix}.txt"
     py_spy = str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():  # a py-spy installed elsewhere (its own venv, pipx) on PATH
+        py_spy = shutil.which("py-spy") or py_spy
     name = f"pdserve {a.router}" + (" gen-first" if a.style == "generation_first" else "")
     with Procs(RESULTS / "overhead" / "logs") as procs:
         urls = oo.start(procs, ns)
