@@ -394,7 +394,8 @@ class DisaggFlow:
                     raise
             if pending:  # while the ctx server works: tokenize and hash for the later picks
                 assert hint is not None
-                predicted = 0 if synced and hint.resolve().num_tokens > 0 else None
+                hint.resolve()
+                predicted = 0 if synced and hint.num_tokens > 0 else None
             raw = await read_answer(sent, deadline, "ctx", timeout_s)
         try:
             answer = parse_ctx_answer(raw)
