@@ -268,9 +268,12 @@ class Attempt:
 
     def _take_ids(self, ids: object) -> None:
         if isinstance(ids, list) and ids:
-            self.token_ids.extend(int(t) for t in ids)
-            if len(self.token_ids) > len(self.p.token_ids):
-                self.p.token_ids = list(self.token_ids)
+            mine = self.token_ids
+            mine.extend(map(int, ids))
+            if mine is not self.p.token_ids and len(mine) > len(self.p.token_ids):
+                # From now on this stream's list is the request's (one list, no copy per chunk:
+                # a copy each chunk made a long answer quadratic); a later attempt starts its own.
+                self.p.token_ids = mine
 
     def _unsent(self, piece: str) -> str:
         """The part of ``piece`` past what the client has (by characters of the output text)."""
