@@ -26,10 +26,11 @@ a subclass that replaces :meth:`DisaggFlow._disaggregated` and reuses the attemp
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -74,6 +75,25 @@ class KVSourceFailed(Exception):
     """The gen server could not pull the parked KV: the ctx side is at fault, not the gen pool."""
 
 
+class _RequestIds:
+    """``disagg-`` + 32 hex digits: 64 random bits drawn once per process, then a counter (a uuid4
+    per request cost a ``getrandom`` call and a UUID object on the hot path). Drawn again in a
+    forked child (another pid), so no two orchestrator processes share the random half."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._prefix = ""
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        if self._pid != os.getpid():
+            self._pid, self._prefix, self._count = os.getpid(), os.urandom(8).hex(), itertools.count()
+        return f"disagg-{self._prefix}{next(self._count):016x}"
+
+
+_DISAGG_IDS = _RequestIds()
+
+
 @dataclass
 class Exchange:
     """One client request on its way through the cluster."""
@@ -82,7 +102,7 @@ class Exchange:
     body: dict     # the client's body as received (already validated)
     request_id: str | None = None  # the client's X-Request-Id (or one made for it): sent to every server
     session: str | None = None     # session-affinity key (header or `user` field), when configured
-    disagg_request_id: str = field(default_factory=lambda: f"disagg-{uuid.uuid4().hex}")
+    disagg_request_id: str = field(default_factory=lambda: _DISAGG_IDS.next())
     started_s: float = field(default_factory=time.monotonic)
     hint: RouteHint | None = None  # what the routers know about the prompt (set by DisaggFlow.handle)
     colocated: bool = False        # runs both phases on one gen server (conditional disaggregation)
@@ -216,7 +236,7 @@ class DisaggFlow:
         ctx_server, answer = await self._with_retries("ctx", lambda s: self._context_attempt(ex, s), hint,
                                                       set(failed_ctx))
         self._metrics.ctx_phase.observe(time.monotonic() - t0)
-        self._metrics.routed.labels(pool="ctx", path="disaggregated").inc()
+        self._metrics.routed.labels("ctx", "disaggregated").inc()
         if all_finished(answer):
             return self._final_from_ctx(ex, answer)
         return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx)
@@ -239,7 +259,7 @@ class DisaggFlow:
         try:
             _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
                                                    exclude, failures)
-            self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
+            self._metrics.routed.labels("gen", "disaggregated").inc()
             handed_over = True
             return response
         except KVSourceFailed:
@@ -254,7 +274,7 @@ class DisaggFlow:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
         ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
-        self._metrics.routed.labels(pool="gen", path="colocated").inc()
+        self._metrics.routed.labels("gen", "colocated").inc()
         if ex.stream and num_choices(ex.body) > 1:
             return self._relayed_choices(ex, hint, None, None, set())
         if num_choices(ex.body) == 1 and (ex.stream or self._settings.migration_limit):
@@ -432,7 +452,7 @@ class DisaggFlow:
             raise
         if leased:
             self._metrics.kv_handoff.observe(time.monotonic() - t0)
-            self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
+            self._metrics.routed.labels("gen", "disaggregated").inc()
         return GenStream(server, stream, predicted)
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:

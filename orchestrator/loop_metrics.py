@@ -72,10 +72,13 @@ class LoopCounter:
 
     def labels(self, *args: str, **kwargs: str) -> CounterChild:
         """The series of these label values (created at 0 on first use). Raises ValueError on wrong labels."""
-        key = self._labels.key(args, kwargs)
-        child = self._labels.children.get(key)
+        children = self._labels.children
+        child = children.get(args) if not kwargs else None  # the usual call: label values as str
         if child is None:
-            child = self._labels.children[key] = CounterChild()
+            key = self._labels.key(args, kwargs)
+            child = children.get(key)
+            if child is None:
+                child = children[key] = CounterChild()
         return child  # type: ignore[return-value]
 
     def inc(self, amount: float = 1.0) -> None:
@@ -126,10 +129,13 @@ class LoopHistogram:
 
     def labels(self, *args: str, **kwargs: str) -> HistogramChild:
         """The series of these label values (empty on first use). Raises ValueError on wrong labels."""
-        key = self._labels.key(args, kwargs)
-        child = self._labels.children.get(key)
+        children = self._labels.children
+        child = children.get(args) if not kwargs else None  # the usual call: label values as str
         if child is None:
-            child = self._labels.children[key] = HistogramChild(self._bounds)
+            key = self._labels.key(args, kwargs)
+            child = children.get(key)
+            if child is None:
+                child = children[key] = HistogramChild(self._bounds)
         return child  # type: ignore[return-value]
 
     def observe(self, value: float, times: int = 1) -> None:

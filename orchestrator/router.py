@@ -214,8 +214,8 @@ class KVCacheAwareRouter:
         candidates = _candidates(pool, exclude)
         if not candidates:
             return None
-        if hint is None or not hint.block_hashes:
-            return self._fallback.pick_among(candidates)
+        if hint is None or not hint.block_hashes or not self.holds_blocks(pool):
+            return self._fallback.pick_among(candidates)  # (nothing held: every match would be 0)
         low = min(s.in_flight for s in candidates)
         scored = [(self.indexes.matched_blocks(s.url, hint.block_hashes) or 0, -s.in_flight, s) for s in candidates]
         match, neg_load, best = max(scored, key=lambda t: (t[0], t[1]))
