@@ -39,7 +39,7 @@ GROUPS = {  # label -> substring of a frame; a sample counts once per group whos
     "relay merge (progress, relay_logprobs)": ("orchestrator/progress.py", "orchestrator/relay_logprobs.py"),
     "dispatch (disagg, gen_first, migration, front)": ("orchestrator/disagg.py", "orchestrator/gen_first.py",
                                                        "orchestrator/migration.py", "orchestrator/front.py"),
-    "prometheus metrics": ("prometheus_client",),
+    "metrics (prometheus_client, orchestrator/loop_metrics.py)": ("prometheus_client", "orchestrator/loop_metrics.py"),
     "logging": ("logging/",),
     "asyncio timeouts": ("asyncio/timeouts.py",),
     "event loop itself (uvloop C: I/O, epoll)": ("Runner.run (asyncio/runners.py:118)",),
