@@ -236,7 +236,7 @@ class Attempt:
         if not new and finish is None and not _has_items(lp):
             return None
         if p.chat:
-            choice["delta"] = {**(delta or {}), "role": None, "content": new}
+            choice["delta"] = {**_without_role(delta), "content": new}
         else:
             choice["text"] = new
         return event
@@ -255,7 +255,7 @@ class Attempt:
             self.p.finish_reason = finish
         if not parsed and finish is None and not _has_items(lp):
             return None
-        choice["delta"] = {**(delta or {}), "role": None, **parsed.to_openai()}
+        choice["delta"] = {**_without_role(delta), **parsed.to_openai()}
         return event
 
     def _logprobs(self, choice: dict, ids: object) -> dict | None:
@@ -309,3 +309,9 @@ def _first_chunk_template(chat: bool) -> dict:
 def _has_items(lp: dict | None) -> bool:
     """Whether a logprobs object (either shape) holds any entry."""
     return bool(lp) and bool(lp.get("content") or lp.get("tokens"))
+
+
+def _without_role(delta: dict | None) -> dict:
+    """A relayed delta without ``role``: the client's first chunk (sent by this relay) named it, and
+    OpenAI's later deltas leave it out."""
+    return {k: v for k, v in (delta or {}).items() if k != "role"}
