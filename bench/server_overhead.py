@@ -87,7 +87,9 @@ def bare_child(a: argparse.Namespace) -> None:
 def run_bare(a: argparse.Namespace) -> list[dict]:
     cmd = ["taskset", "-c", a.cores, PY, str(Path(__file__).resolve()), "--bare-child", "--dtype", a.dtype,
            "--threads", str(a.threads), "--input-len", str(a.input_len), "--output-len", str(a.output_len)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # its own session, as the server's ranks (executor.proxy): with the kernel's autogroups on, a
+    # session is the unit the CPU is shared by, so both get the same share of a loaded machine
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, start_new_session=True)
     if res.returncode:
         raise RuntimeError(f"the bare engine child failed ({res.returncode}): {res.stderr[-2000:]}")
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -197,14 +199,30 @@ def thread_ms_per_token(before: list, after: list, tokens: int) -> dict[str, dic
 def start_server(a: argparse.Namespace, procs: Procs, bind: str) -> tuple[str, dict[str, int]]:
     """The server with ``engine.cpu_bind: bind``, up and warmed up; its URL and the pids of rank 0
     and the frontend."""
-    name = f"server-bind-{bind.replace(',', '_')}"
+    setting, _, helpers = bind.partition("+")
+    name = f"server-bind-{bind.replace(',', '_').replace('+', '_')}"
     topo = OUT / f"{name}.yaml"
-    doc = write_topology(topo, engine={"num_threads": a.threads, "dtype": a.dtype, "cpu_bind": bind})
+    doc = write_topology(topo, engine={"num_threads": a.threads, "dtype": a.dtype, "cpu_bind": setting})
     url = server_url(doc, "ctx")
     server = procs.start(name, [PY, "-m", "ctx_worker", "--config", str(topo), "--index", "0"], cores=a.cores)
     procs.wait_http(name, url + "/health", 600)
     bench(bench_argv(url, 1, 2, a))  # warm-up, not measured
-    return url, {"rank 0": find_rank0(server.pid), "frontend": server.pid}
+    pids = {"rank 0": find_rank0(server.pid), "frontend": server.pid}
+    if helpers:  # "0-1+helpers": the frontend and rank 0's unpinned threads move off the engine thread's core
+        move_helpers(pids, setting)
+    return url, pids
+
+
+def move_helpers(pids: dict[str, int], setting: str) -> None:
+    """Every thread of the frontend and every rank-0 thread that is not pinned to one core goes to
+    the cores of ``setting`` after its first (the OpenMP workers' cores): an experiment (issue 11)."""
+    from pdserve.cpu_bind import parse_cpu_list
+
+    rest = set(parse_cpu_list(setting)[1:])
+    for proc, pid in pids.items():
+        for t in threads(pid):
+            if proc == "frontend" or "," in t.allowed or "-" in t.allowed:
+                os.sched_setaffinity(t.tid, rest)
 
 
 def run_repeats(a: argparse.Namespace, procs: Procs) -> list[dict]:
