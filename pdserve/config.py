@@ -84,9 +84,9 @@ class EngineSettings(StrictModel):
     cpu_bind: str = Field(
         "auto", description="pin each worker rank's torch (OpenMP) threads one per core: 'off'; a CPU list "
         "('0-1', '0,2') of tp_size × num_threads cores, rank r taking the r-th slice; 'auto' = pin to the "
-        "first cores of the process's affinity mask only where that mask (taskset, a launcher, Slurm) is "
-        "narrower than the host, so servers started side by side are never pinned to the same core "
-        "(pdserve.cpu_bind). Needs executor: mpi")
+        "process's affinity mask only where that mask (taskset, a launcher, Slurm) is narrower than the host "
+        "and holds exactly tp_size × num_threads cores, so servers started side by side are never pinned to "
+        "the same core (pdserve.cpu_bind). A list needs executor: mpi")
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per server (KV heads split over ranks)")
     executor: Literal["mpi", "inproc"] = Field(
         "mpi", description="'mpi': engine in MPI-launched worker ranks behind IPC lanes (the lattice); "

@@ -6,9 +6,10 @@ server takes the r-th slice of ``threads`` cores, so TP ranks on one host get di
 
 ``auto`` pins only when this server was given its cores explicitly: the process's affinity mask
 (set by ``taskset``, a launcher, Slurm's CPU binding or a cpuset) is narrower than the host's
-online CPUs and holds at least ``tp_size × threads`` cores; the ranks then take the first ones of
-that mask. Servers started side by side without a mask (``make serve``: a ctx and a gen server on
-the same cores) are not pinned, so two servers are never pinned to the same core by accident.
+online CPUs and holds exactly ``tp_size × num_threads`` cores (``num_threads`` set); the ranks then
+split that mask. Servers started side by side without a mask (``make serve``: a ctx and a gen
+server on the same cores) or under one shared mask larger than each needs are not pinned, so two
+servers are never pinned to the same core by accident.
 
 Pure Python (no torch): the topology schema validates with it and the ranks plan with it.
 """
@@ -82,15 +83,15 @@ def plan_rank(setting: str, num_threads: int | None, tp_size: int, rank: int,
         return RankCores((), num_threads, "engine.cpu_bind: off")
     if setting == "auto":
         mask = sorted(allowed)
-        per_rank = num_threads or len(mask) // tp_size
         if len(mask) >= host_cpus:
             return RankCores((), num_threads, f"engine.cpu_bind: auto, not pinned: the process may run on all "
                              f"{host_cpus} CPUs of the host (no taskset/launcher/Slurm mask gave it its cores)")
-        if per_rank < 1 or len(mask) < tp_size * per_rank:
-            return RankCores((), num_threads, f"engine.cpu_bind: auto, not pinned: the mask {fmt(mask)} has fewer "
-                             f"than tp_size {tp_size} × {per_rank} thread(s) cores")
-        cores = tuple(mask[rank * per_rank:(rank + 1) * per_rank])
-        return RankCores(cores, per_rank, f"engine.cpu_bind: auto → cores {fmt(cores)} (from the mask {fmt(mask)})")
+        if num_threads is None or len(mask) != tp_size * num_threads:
+            return RankCores((), num_threads, f"engine.cpu_bind: auto, not pinned: the mask {fmt(mask)} is not "
+                             f"exactly tp_size {tp_size} × num_threads {num_threads} cores (a mask shared with "
+                             "other servers must not pin them all to its first cores)")
+        cores = tuple(mask[rank * num_threads:(rank + 1) * num_threads])
+        return RankCores(cores, num_threads, f"engine.cpu_bind: auto → cores {fmt(cores)} (the process's mask)")
     listed = parse_cpu_list(setting)
     outside = sorted(set(listed) - allowed)
     if outside:

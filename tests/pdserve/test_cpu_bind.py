@@ -46,14 +46,20 @@ def test_yaml_integers_and_the_modes_are_accepted():
 def test_auto_pins_only_a_process_whose_mask_is_narrower_than_the_host():
     whole = plan_rank("auto", 2, 1, 0, {0, 1}, host_cpus=2)
     assert whole.cores == () and "all 2 CPUs" in whole.reason  # side by side servers: never the same core
-    part = plan_rank("auto", None, 1, 0, {4, 5}, host_cpus=8)
+    part = plan_rank("auto", 2, 1, 0, {4, 5}, host_cpus=8)
     assert part.cores == (4, 5) and part.threads == 2
-    assert plan_rank("auto", 4, 1, 0, {4, 5}, host_cpus=8).cores == ()  # too few cores: not pinned
+
+
+@pytest.mark.parametrize("threads,mask", [(4, {4, 5}), (1, {4, 5}), (None, {4, 5})])
+def test_auto_does_not_pin_a_mask_not_sized_for_this_server(threads, mask):
+    # a mask shared by several servers (the whole cluster under one taskset) would pin them all to its first cores
+    plan = plan_rank("auto", threads, 1, 0, mask, host_cpus=8)
+    assert plan.cores == () and "not exactly" in plan.reason
 
 
 def test_tp_ranks_take_disjoint_slices():
     assert [plan_rank("0-3", 2, 2, r, {0, 1, 2, 3}, 4).cores for r in (0, 1)] == [(0, 1), (2, 3)]
-    assert [plan_rank("auto", 1, 2, r, {2, 3, 6}, 8).cores for r in (0, 1)] == [(2,), (3,)]
+    assert [plan_rank("auto", 1, 2, r, {2, 6}, 8).cores for r in (0, 1)] == [(2,), (6,)]
 
 
 def test_an_explicit_core_outside_the_mask_is_refused():
