@@ -77,8 +77,9 @@ class Outcome:
 class ChaosLoad:
     """The load: ``n`` streaming chat requests over ``prompts`` (round robin) at ``concurrency``,
     ``max_tokens`` each (``ignore_eos``, greedy), each bounded by ``bound_s`` seconds. Starts are
-    at least ``interval_s`` apart, and no request starts once :attr:`stop` is set (the chaos run sets
-    it ``tail_s`` after the last replacement is ready), so ``n`` is an upper bound."""
+    at least ``interval_s`` apart, and no request starts once :attr:`stop` is set (the suite's chaos
+    run sets it ``tail_s`` after the last replacement is ready, so there ``n`` is an upper bound;
+    ``bench/chaos.py`` never sets it during the kills, so all ``n`` run)."""
 
     url: str
     model: str
@@ -89,6 +90,7 @@ class ChaosLoad:
     bound_s: float
     interval_s: float = 0.0
     duration_s: float = 0.0
+    not_started: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -148,11 +150,13 @@ async def run_load(load: ChaosLoad) -> list[Outcome]:
             if delay > 0:  # wait for this request's start, or for the stop (then it never starts)
                 try:
                     await asyncio.wait_for(load.stop.wait(), delay)
+                    load.not_started += 1
                     return None
                 except asyncio.TimeoutError:
                     pass
             async with sem:
                 if load.stop.is_set():
+                    load.not_started += 1
                     return None
                 return await one_request(client, load, i)
 
@@ -229,17 +233,21 @@ async def kill_and_watch(url: str, rec: KillRecord, t0: float, watch_s: float, b
             await asyncio.sleep(poll_s)
 
 
-async def run_chaos(load: ChaosLoad, records: list[KillRecord], watch_s: float, tail_s: float) -> list[Outcome]:
-    """The load and every kill (with its watcher) at once; no request starts later than ``tail_s``
-    after the last watcher ended. Returns when every request has ended."""
+async def run_chaos(load: ChaosLoad, records: list[KillRecord], watch_s: float,
+                    tail_s: float | None) -> list[Outcome]:
+    """The load and every kill (with its watcher) at once. With ``tail_s`` a number, no request
+    starts later than ``tail_s`` after the last watcher ended (``load.n`` is then a cap); with
+    ``tail_s=None`` every one of the ``load.n`` requests runs (the issue's fixed count). Returns when
+    every request has ended and every watcher is done (each within its ``at_s + 2 * watch_s``)."""
     t0 = time.monotonic()
     back = {i: asyncio.Event() for i in range(len(records))}
     watchers = [asyncio.create_task(kill_and_watch(load.url, r, t0, watch_s, back, i))
                 for i, r in enumerate(records)]
     load_task = asyncio.create_task(run_load(load))
-    await asyncio.gather(*watchers)  # each ends by itself within its at_s + 2 * watch_s
-    await asyncio.sleep(tail_s)
-    load.stop.set()
+    await asyncio.gather(*watchers)
+    if tail_s is not None:
+        await asyncio.sleep(tail_s)
+        load.stop.set()
     return await load_task
 
 

@@ -60,10 +60,14 @@ class ModelConfig:
 
     @property
     def sliding_window(self) -> int | None:
-        """The window when *every* layer slides with the same one (what the prefix cache can
-        exploit, see Scheduler), else None."""
-        ws = set(self.layer_windows)
-        return ws.pop() if len(ws) == 1 and None not in ws else None
+        """The reach in tokens a prefix-cache hit must cover (see Scheduler, BlockManager.
+        match_prefix): when *every* layer slides, the widest of their windows (a query of the
+        widest layer reads furthest back; the narrower ones read a subset of it); None when any
+        layer attends fully (Gemma 3's global layers, Qwen's layers below `max_window_layers`):
+        such a layer reads every key, so a hit needs every block of the prefix."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
 
 
 def _as_list(value: Any) -> list[int]:

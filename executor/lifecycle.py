@@ -50,7 +50,7 @@ POLL_S = 0.1             # how often the lifecycle looks at the engine state
 class ExitPolicy:
     """The lifecycle knobs of one server (``engine.*`` of its topology)."""
 
-    dead_exit_grace_s: float = 1.0   # 503 this long after the engine died, then exit 75
+    dead_exit_grace_s: float = 0.25  # 503 this long after the engine died, then exit 75
     drain_grace_s: float = 25.0      # SIGTERM: in-flight work gets this long before the exit
     exit_when_dead: bool = True      # False in attached frontends: frontend 0 exits for the server
 

@@ -27,7 +27,7 @@ import zmq
 from executor.ipc import Codec, new_key
 from executor.messages import Ack, RankFailed, RankHello, RankReady
 from executor.monitor import RankProcess, proc_start_time
-from executor.server_setup import worker_plugin
+from executor.role_plugins import worker_plugin
 from pdserve.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -97,18 +97,25 @@ class Proxy:
         self.lane_addrs = [f"ipc://{self.ipc_dir}/lane{i}" for i in range(num_frontends)]
         self.proc: subprocess.Popen | None = None
         self.exited = threading.Event()
+        self._router: zmq.Socket | None = None  # the READY socket, from launch() to wait_ready()
 
     def start(self, timeout_s: float) -> AttachInfo:
         """Launch the ranks and wait for every READY (bounded by ``timeout_s``). Raises StartupError."""
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Write the ranks' spec, bind the READY socket and start ``mpiexec`` (returns at once; the
+        ranks load while the caller goes on). :meth:`wait_ready` or :meth:`abort` must follow.
+        Raises OSError when ``mpiexec`` cannot be started."""
         tp = self.cfg.engine.tp_size
         spec = {"server": self.cfg.model_dump(mode="json"), "role_plugin": worker_plugin(self.cfg.role),
                 "frontend_pid": os.getpid(), "frontend_start_time": proc_start_time(os.getpid()),
                 "ready_addr": self.ready_addr, "ingress_addr": self.ingress_addr, "lane_addrs": self.lane_addrs}
         (self.ipc_dir / "spec.json").write_text(json.dumps(spec))
-        zctx = zmq.Context.instance()
-        router = zctx.socket(zmq.ROUTER)
+        router = zmq.Context.instance().socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.bind(self.ready_addr)
+        router.bind(self.ready_addr)  # bound before the ranks start: their first HELLO is never lost
         # -launcher fork: the ranks always run on this host. Inside a Slurm step hydra would
         # otherwise launch them with a nested srun, which waits for CPUs the step already holds.
         argv = [mpiexec_path(), "-launcher", "fork", "-n", str(tp), sys.executable, "-m", "executor.worker_main",
@@ -119,11 +126,23 @@ class Proxy:
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         self.rank_log.parent.mkdir(parents=True, exist_ok=True)
         log.info("launching %d worker rank(s): %s (log: %s)", tp, " ".join(argv), self.rank_log)
-        with open(self.rank_log, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
         try:
-            ranks, info = self._handshake(router, tp, timeout_s)
+            with open(self.rank_log, "ab") as out:
+                self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=env, start_new_session=True)
+        except OSError:
+            router.close()
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            raise
+        self._router = router
+
+    def wait_ready(self, timeout_s: float) -> AttachInfo:
+        """Wait for every rank's READY (bounded by ``timeout_s``), ack them; the attach info.
+        Raises StartupError (the ranks are stopped and the IPC directory removed)."""
+        router, self._router = self._router, None
+        assert router is not None, "wait_ready() without launch()"
+        try:
+            ranks, info = self._handshake(router, self.cfg.engine.tp_size, timeout_s)
             for identity in ranks:
                 router.send_multipart([identity, self.codec.encode(Ack())])
         except StartupError:
@@ -135,6 +154,16 @@ class Proxy:
         return AttachInfo(ipc_dir=str(self.ipc_dir), key_hex=self.key.hex(), ingress_addr=self.ingress_addr,
                           lane_addrs=self.lane_addrs, ranks=[asdict(r) for r in ranks.values()],
                           worker_info=info, server=self.cfg.model_dump(mode="json"))
+
+    def abort(self) -> None:
+        """The frontend failed between :meth:`launch` and :meth:`wait_ready`: SIGTERM the ranks'
+        process group, wait for it (bounded) and remove the IPC directory."""
+        if self._router is not None:
+            self._router.close()
+            self._router = None
+        if self.proc is not None and self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+        self.stop(timeout_s=5.0)
 
     def _handshake(self, router: zmq.Socket, tp: int, timeout_s: float) -> tuple[dict[bytes, RankProcess], dict]:
         deadline = time.monotonic() + timeout_s

@@ -7,7 +7,11 @@ Two executors (``engine.executor`` in the topology):
 - ``inproc``: the engine loop runs in a thread of this process (tests, debugging).
 
 Order matters: the port is bound first (a conflict fails fast, before any weights load) but only
-listens once the engine is ready, so a server that accepts connections is ready to serve.
+listens once the engine is ready, so a server that accepts connections is ready to serve. Then the
+lattice's ranks are launched **before** this process imports torch, the engine and the HTTP stack
+(seconds: 2.8 s here on an idle machine, more under load), so the ranks' own imports and weight
+load overlap the frontend's instead of following them: that serial stretch was part of every cold
+start and every restart. Hence the function-local imports below.
 """
 
 from __future__ import annotations
@@ -21,22 +25,20 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import uvicorn
-
+# Only light modules at the top (no torch, no FastAPI): see the module docstring.
 from executor import registration
-from executor.frontends import AttachedFrontends, lattice_state, load_tokenizer
-from executor.http_server import ServerState, create_server_app
-from executor.kv_role import RankShards
 from executor.proxy import Proxy, StartupError
-from executor.server_setup import kv_layout, load_plugin, make_engine, make_state, worker_plugin
-from executor.lifecycle import Advisor, ExitPolicy, LifecycleServer, ServerLifecycle
-from executor.messages import EngineDead
-from executor.step_guard import guard_engine
+from pdserve.api_keys import MissingApiKey, load_api_key
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
 from pdserve.devices import visible_cuda_devices
 from pdserve.dtypes import emulation_warning, read_cpu_flags
 from pdserve.exit_codes import EXIT_CONFIG, EXIT_STARTUP
+
+if TYPE_CHECKING:
+    from executor.http_server import ServerState
+    from executor.lifecycle import Advisor
 
 log = logging.getLogger("pdserve.server")
 
@@ -68,6 +70,10 @@ def resolve_dtype_once(cfg: ServerConfig, cpu_flags: frozenset[str],
 def build_inproc_state(cfg: ServerConfig) -> ServerState:
     """Load the engine in this process and run its loop in a thread."""
     from executor.inproc_executor import InProcessExecutor
+    from executor.kv_role import RankShards
+    from executor.messages import EngineDead
+    from executor.server_setup import kv_layout, load_plugin, make_engine, make_state, worker_plugin
+    from executor.step_guard import guard_engine
 
     if cfg.engine.tp_size > 1:
         raise ValueError(f"engine.executor 'inproc' runs one rank; tp_size={cfg.engine.tp_size} needs executor 'mpi'")
@@ -88,17 +94,35 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
     return state
 
 
-def build_lattice_state(cfg: ServerConfig, log_dir: Path) -> ServerState:
-    """Frontend 0: launch the ranks (proxy), attach a lattice client, start the attached frontends."""
-    if cfg.engine.dtype == "auto":  # built without main(): resolve before the ranks see it
-        cfg = resolve_dtype_once(cfg, read_cpu_flags())
-    t0 = time.perf_counter()
+def launch_ranks(cfg: ServerConfig, log_dir: Path) -> Proxy:
+    """Start the lattice's worker ranks now (returns at once; :func:`build_lattice_state` waits for
+    their READY). Raises OSError when ``mpiexec`` cannot be started."""
     proxy = Proxy(cfg, cfg.engine.num_frontends, log_dir / f"{cfg.role}{cfg.index}.ranks.log")
+    proxy.launch()
+    return proxy
+
+
+def build_lattice_state(cfg: ServerConfig, log_dir: Path, proxy: Proxy | None = None,
+                        t0: float | None = None) -> ServerState:
+    """Frontend 0: launch the ranks (proxy; ``proxy`` if :func:`launch_ranks` did it already, at
+    ``time.perf_counter()`` ``t0``), attach a lattice client, start the attached frontends.
+    Raises StartupError (the ranks are stopped)."""
+    if proxy is None:
+        if cfg.engine.dtype == "auto":  # built without main(): resolve before the ranks see it
+            cfg = resolve_dtype_once(cfg, read_cpu_flags())
+        t0 = time.perf_counter()
+        proxy = launch_ranks(cfg, log_dir)
+    t0 = time.perf_counter() if t0 is None else t0
+    try:
+        from executor.frontends import AttachedFrontends, lattice_state, load_tokenizer
+    except BaseException:
+        proxy.abort()  # the ranks are loading: end them, or they would wait for a READY ack forever
+        raise
     # The tokenizer (seconds: transformers' import and files) loads while the ranks start, not after:
     # measured 6.5 s of a tiny-model cold start here that sat after the ranks' READY.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
         tokenizer = pool.submit(load_tokenizer, cfg)
-        info = proxy.start(cfg.engine.worker_start_timeout_s)
+        info = proxy.wait_ready(cfg.engine.worker_start_timeout_s)
         log.info("%s[%d]: %d worker rank(s) ready in %.1f s", cfg.role, cfg.index, cfg.engine.tp_size,
                  time.perf_counter() - t0)
         try:
@@ -143,6 +167,11 @@ def serve(state: ServerState, sock: socket.socket, exit_when_dead: bool = True,
     """Run uvicorn on an already bound socket until it stops; the exit status (see
     :mod:`executor.lifecycle`: 0 stopped or drained after SIGTERM, 75 the engine died).
     ``advisor``: whom a SIGTERM asks how to drain (frontend 0: the orchestrator; None: wait)."""
+    import uvicorn
+
+    from executor.http_server import create_server_app
+    from executor.lifecycle import ExitPolicy, LifecycleServer, ServerLifecycle
+
     config = uvicorn.Config(create_server_app(state), log_level="warning", timeout_graceful_shutdown=5)
     lifecycle = ServerLifecycle(state.client, ExitPolicy.of(state.config.engine, exit_when_dead), advisor=advisor)
     LifecycleServer(config, lifecycle).run(sockets=[sock])
@@ -167,7 +196,8 @@ def main(role: Role, argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {role}[{args.index}] %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_topology(args.config).server_config(role, args.index, host=args.host, port=args.port)
-    except (TopologyError, IndexError) as err:
+        load_api_key(cfg.api_key_env)  # unset or empty: refuse at once, before any rank starts
+    except (TopologyError, IndexError, MissingApiKey) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     try:
@@ -183,8 +213,15 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     if cfg.engine.executor == "inproc":
         state = build_inproc_state(cfg)
     else:
+        t0 = time.perf_counter()
         try:
-            state = build_lattice_state(cfg, Path(args.log_dir))
+            proxy = launch_ranks(cfg, Path(args.log_dir))  # first: see the module docstring
+        except OSError as err:
+            log.error("start-up failed: cannot start the worker ranks: %s", err)
+            print(f"error: cannot start the worker ranks: {err}", file=sys.stderr)
+            return EXIT_STARTUP
+        try:
+            state = build_lattice_state(cfg, Path(args.log_dir), proxy, t0)
         except StartupError as err:
             log.error("start-up failed: %s", err)
             print(f"error: {err}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """What every process of one server builds from its :class:`ServerConfig` (a leaf of the executor).
 
-The role plugins table, the engine of one rank (built from the server's engine settings as
-they are), the KV layout of each TP rank, and the HTTP state of one frontend. Frontend 0
+The role plugins table (:mod:`executor.role_plugins`, re-exported), the engine of one rank (built
+from the server's engine settings as they are), the KV layout of each TP rank, and the HTTP state of one frontend. Frontend 0
 (``executor.server_main``), attached frontends (``executor.frontends``), the proxy and the worker
 ranks (``executor.worker_main``) all import these from here, so none of them imports another's
 entry point (no import circle; ``tests/executor/test_import_graph.py`` checks).
@@ -9,34 +9,13 @@ entry point (no import circle; ``tests/executor/test_import_graph.py`` checks).
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-
 from engine.structured_output import GrammarCompiler
 from executor.http_server import ServerState
 from executor.metrics import RoleStatsCollector, ServerMetrics
 from executor.phases import ColocatedPhase
+from executor.role_plugins import ROLE_PLUGINS, load_plugin, worker_plugin  # noqa: F401 (re-exported)
 from pdserve.config import ServerConfig
 from pdserve.protocol import KVLayoutModel
-
-# Each role names two plugins by import path, so that the executor never imports the role
-# packages (arrows point ctx_worker/gen_worker -> executor): the worker side (next to the engine:
-# KV parking, serving, pulling) and the frontend side (phase handlers and routes).
-ROLE_PLUGINS: dict[str, tuple[str, str]] = {
-    "ctx": ("ctx_worker.kv_role:make_worker_role", "ctx_worker.context_phase:setup_ctx_frontend"),
-    "gen": ("gen_worker.kv_role:make_worker_role", "gen_worker.generation_phase:setup_gen_frontend"),
-}
-
-
-def worker_plugin(role: str) -> str:
-    """Import path of the worker side of ``role`` ("ctx" or "gen"). Raises KeyError."""
-    return ROLE_PLUGINS[role][0]
-
-
-def load_plugin(path: str) -> Callable:
-    """Import ``module:attribute``."""
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def make_engine(cfg: ServerConfig, tp=None, *, device: str | None = None, kv_cache_file: str | None = None):

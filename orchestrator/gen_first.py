@@ -61,8 +61,9 @@ class GenAttempt:
     (a stream) the relay that took it ends. ``lease`` is set once the ctx answer names it.
     """
 
-    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, body: bytes) -> None:
+    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, body: bytes, streamed: bool) -> None:
         self.flow, self.ex, self.server = flow, ex, server
+        self.streamed = streamed  # the gen request asks for a stream (the client's, or an internal one)
         self.lease: Lease | None = None
         self.opened_s: float | None = None  # time.monotonic() when the gen stream's first byte came
         self._body = body
@@ -92,7 +93,7 @@ class GenAttempt:
         return self._error is not None or (self._pending is not None and self._pending.failed())
 
     async def response(self) -> Response | GenStream:
-        """The opened gen stream (``ex.stream``; the caller owns it) or the gen server's JSON answer.
+        """The opened gen stream (``streamed``; the caller owns it) or the gen server's JSON answer.
         Raises AttemptFailed / UpstreamRejected (as :func:`orchestrator.upstream.first_chunk` and
         :func:`~orchestrator.upstream.read_answer`)."""
         timeout_s = self.flow._settings.request_timeout_s
@@ -100,7 +101,7 @@ class GenAttempt:
             if self._error is not None:
                 raise self._error
             assert self._pending is not None
-            if self.ex.stream:
+            if self.streamed:
                 stream = await first_chunk(self._pending, self._deadline, "gen", timeout_s)
                 self.opened_s = time.monotonic()
                 self._taken = True  # its in-flight count is the relay's now
@@ -184,9 +185,11 @@ class GenerationFirstFlow(DisaggFlow):
             gen.discard()
             return self._final_from_ctx(ex, answer)
         lease = gen.lease = Lease(ctx_server.url, answer["choices"][0]["disaggregated_params"]["ctx_request_id"])
-        if ex.stream and not gen.failed_early():
+        if gen.streamed and not gen.failed_early():
             # First token at once, as context_first: the client gets the ctx answer's token now,
-            # the gen stream (already requested) is merged after it.
+            # the gen stream (already requested) is merged after it. A non-streaming request's
+            # internal stream goes through the same relay (so it migrates and moves) and is
+            # answered as the JSON the relay assembles.
             return await self._relayed(ex, hint, answer, lease, failed_ctx,
                                        wrap=lambda phase: InFlightSource(self, gen, phase, t_answer))
         try:
@@ -212,14 +215,21 @@ class GenerationFirstFlow(DisaggFlow):
             raise OrchestratorError(503, f"generation phase impossible: no ready gen server "
                                     f"({self._pools.not_ready_reason() or 'all tried'})", kind="gen_failed",
                                     type_="service_unavailable")
+        migrate = self._settings.migration_limit > 0
+        # With migration on, a non-streaming request is streamed internally from the gen server (as
+        # context_first does), so that it can migrate or move like a client's stream.
+        streamed = ex.stream or migrate
         dp = {"request_type": "generation_only", "disagg_request_id": ex.disagg_request_id, "ctx_url": ctx_server.url}
-        if ex.stream and self._settings.migration_limit:
+        if migrate:
             # The relay keeps the output token ids, so it can migrate the stream, or move it when
             # its gen server drains with move_kv (GenPhase.move, as for a context_first stream).
             dp["stream_token_ids"] = dp["movable"] = True
-        if ex.stream and ex.parses:  # a stream is relayed (and parsed) here; a JSON answer is the server's own
+        if streamed and ex.parses:  # a stream is relayed (and parsed) here; a JSON answer is the server's own
             dp["raw_output"] = True
-        gen = GenAttempt(self, ex, gen_server, jsonio.dumps({**ex.body, "disaggregated_params": dp}))
+        body = {**ex.body, "disaggregated_params": dp}
+        if not ex.stream and streamed:  # the internal stream: its usage chunk makes the answer's usage
+            body.update(stream=True, stream_options={**(ex.body.get("stream_options") or {}), "include_usage": True})
+        gen = GenAttempt(self, ex, gen_server, jsonio.dumps(body), streamed)
         try:
             answer = await self._context_attempt(ex, ctx_server, then=gen.send)
         except AttemptFailed as err:

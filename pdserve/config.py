@@ -97,8 +97,9 @@ class EngineSettings(StrictModel):
         120.0, gt=0, description="an engine step running longer than this makes the engine dead (a hung step or "
         "collective); must exceed any real step (a full-budget CPU prefill takes seconds)")
     dead_exit_grace_s: float = Field(
-        1.0, ge=0, description="a server whose engine is dead answers 503 this long, then exits with status 75 "
-        "so its launcher or supervisor restarts it")
+        0.25, ge=0, description="a server whose engine is dead answers 503 this long, then exits with status 75 "
+        "so its launcher or supervisor restarts it (its failed requests' answers already went out at the death; "
+        "uvicorn's shutdown flushes the rest; longer only delays the restart)")
     drain_grace_s: float = Field(
         25.0, ge=0, description="SIGTERM drains the server: no new requests; in-flight ones (and parked KV "
         "leases) get this long to finish, then it exits 0")

@@ -15,6 +15,7 @@ Torch-free (the orchestrator imports it): the number of visible CUDA devices is 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 __all__ = ["DEVICE_PATTERN", "check_device_setting", "resolve_device", "is_cuda", "visible_cuda_devices",
            "tp_rank_device", "tp_backend"]
@@ -59,8 +60,15 @@ def is_cuda(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def visible_cuda_devices() -> int:
-    """How many CUDA devices torch sees in this process (0 without torch's CUDA build or a GPU)."""
+def visible_cuda_devices(driver_paths: tuple[Path, ...] = (Path("/dev/nvidiactl"), Path("/dev/dxg"),
+                                                           Path("/proc/driver/nvidia"))) -> int:
+    """How many CUDA devices torch sees in this process (0 without torch's CUDA build or a GPU).
+
+    Where none of ``driver_paths`` exists (the NVIDIA driver's control node, WSL's GPU node, the
+    driver's /proc entry) no CUDA device can be visible, so the answer is 0 without importing
+    torch (1-2 s a CPU server would otherwise spend before it launches its ranks)."""
+    if not any(p.exists() for p in driver_paths):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,5 +1,6 @@
 """config.json -> ModelConfig for each family: rope scaling forms and refusals, sliding-window
 rules as HF transformers reads them, weights the engine would ignore refused at load."""
+import dataclasses
 import json
 
 import pytest
@@ -73,6 +74,14 @@ def test_qwen_window_switched_on_follows_max_window_layers_or_layer_types(tmp_pa
     with pytest.raises(ValueError, match="layer_types"):
         _read(tmp_path, model_type="qwen2", sliding_window=64, use_sliding_window=True,
               layer_types=["chunked_attention"] * 4)
+
+
+def test_prefix_reach_is_the_widest_window_or_none_with_a_full_layer(tmp_path):
+    # what a prefix-cache hit must cover (Scheduler): a full layer reads every key; else the widest
+    c = _read(tmp_path, model_type="mistral", sliding_window=32)
+    assert dataclasses.replace(c, layer_windows=(8, 32, 16, 8)).sliding_window == 32
+    assert dataclasses.replace(c, layer_windows=(8, None, 8, 8)).sliding_window is None
+    assert dataclasses.replace(c, layer_windows=()).sliding_window is None
 
 
 def test_mistral_window_on_every_layer(tmp_path):

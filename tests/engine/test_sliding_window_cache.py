@@ -119,3 +119,69 @@ def test_context_only_hand_off_keeps_the_full_attention_rule(mistral_engine, fam
     # the hand-off computed (and cached) the whole prompt: now a full hit, colocated
     again = run_all(eng, [EngineRequest("d", longer, greedy(8))])["d"]
     assert again["outputs"][-1].num_cached_tokens == 44 and again["tokens"] == reference
+
+
+# ---- mixed windows (Gemma 3: sliding layers + global ones; Qwen3 with max_window_layers) --------
+MIXED = ("gemma3", "qwen3_window")
+
+
+def _mixed_engine(family_dirs, family, caching=True, **kw) -> LLMEngine:
+    return LLMEngine(cpu_settings(num_kv_blocks=64, block_size=BS, enable_prefix_caching=caching, **kw),
+                     str(family_dirs[family]))
+
+
+def _turns(eng: LLMEngine, evict: int) -> tuple[list[int], dict]:
+    """Turn 1 caches a 40-token prompt; ``evict`` of its first blocks are evicted; turn 2 (turn 1's
+    prompt + 8 tokens) runs greedy: (turn 2's prompt, its result)."""
+    first = prompts(seed=3)[4][:40]
+    run_all(eng, [EngineRequest("a", first, greedy(4))])
+    if evict:
+        _evict_first_blocks(eng, first, evict)
+    longer = first + prompts(seed=4)[0][:8]
+    return longer, run_all(eng, [EngineRequest("b", longer, greedy(16))])["b"]
+
+
+@pytest.mark.parametrize("family,budget", [("gemma3", None), ("gemma3", 7), ("qwen3_window", 7)],
+                         ids=["gemma3-one_chunk", "gemma3-chunks_of_7", "qwen3_window-chunks_of_7"])
+def test_mixed_windows_hit_equals_caching_off(family, budget, family_dirs):
+    kw = {} if budget is None else {"max_num_tokens": budget}
+    on = _mixed_engine(family_dirs, family, **kw)
+    assert on.scheduler.sliding_window is None   # a full-attention layer reads every block
+    longer, res = _turns(on, evict=0)
+    assert res["outputs"][-1].num_cached_tokens == 40
+    off = run_all(_mixed_engine(family_dirs, family, caching=False, **kw),
+                  [EngineRequest("b", longer, greedy(16))])["b"]
+    assert res["tokens"] == off["tokens"]
+
+
+@pytest.mark.parametrize("family", MIXED)
+def test_mixed_windows_need_every_block_of_the_prefix(family, family_dirs):
+    # the sliding layers would resume after blocks 7-9, but the full layer reads blocks 0-2 too
+    longer, res = _turns(_mixed_engine(family_dirs, family), evict=3)
+    assert res["outputs"][-1].num_cached_tokens == 0
+    assert res["tokens"] == hf_reference(family_dirs[family], [longer], 16)[0]
+
+
+def test_negative_control_the_sliding_layers_rule_on_a_mixed_model_fails_loudly(family_dirs):
+    # the rule of the sliding layers alone (W = 12) hands the full layer NULL_BLOCK entries for the
+    # evicted blocks 0-2: an invalid gather index, so the step fails instead of reading other KV
+    eng = _mixed_engine(family_dirs, "gemma3")
+    eng.scheduler.sliding_window = WINDOW
+    with pytest.raises(IndexError):
+        _turns(eng, evict=3)
+
+
+def test_mixed_windows_turn_two_pulls_only_new_blocks_and_equals_colocated(family_dirs):
+    """A gen server's reuse under Gemma 3's windows: turn 2 shares the blocks turn 1 left in the gen
+    cache and pulls the rest; the tokens equal a colocated engine without a cache."""
+    from test_partial_pull import _ctx_turn, _gen_turn
+    ctx, gen = _mixed_engine(family_dirs, "gemma3"), _mixed_engine(family_dirs, "gemma3")
+    turn1 = prompts(seed=6)[2]                                       # 36 tokens: 9 blocks
+    answer1, pull1 = _gen_turn(gen, ctx, "g1", turn1, _ctx_turn(ctx, "c1", turn1, 8), 8)
+    assert pull1.first_block == 0 and len(pull1.block_ids) == 9
+    turn2 = turn1 + answer1 + prompts(seed=7)[0][:6]                 # 50 tokens: 13 blocks
+    answer2, pull2 = _gen_turn(gen, ctx, "g2", turn2, _ctx_turn(ctx, "c2", turn2, 8), 8)
+    assert pull2.first_block == 10 and len(pull2.block_ids) == 3   # 36 + 7 decoded on gen: 10 full blocks
+    off = LLMEngine(cpu_settings(num_kv_blocks=64, block_size=BS, enable_prefix_caching=False),
+                    str(family_dirs["gemma3"]), kv_connector="none")
+    assert answer2 == run_all(off, [EngineRequest("co", turn2, greedy(8))])["co"]["tokens"]

@@ -106,6 +106,11 @@ def test_one_prefill(clients, threaded_cluster, stream):
     cached = got["usage"].prompt_tokens_details.cached_tokens or 0
     assert _prefill_tokens(ctx) - before[0] == len(prompt) - cached == 13
     assert _prefill_tokens(gen) == before[1]  # the gen server pulled the prompt's KV once, computed none of it
+    # the prompt + 6 tokens: its first 3 blocks of 4 are in the ctx server's cache now
+    longer, before = prompt + [900 + i for i in range(6)], _prefill_tokens(ctx)
+    got = completions(clients["disagg"], stream, prompt=longer, n=3)
+    assert len(got["texts"]) == 3 and got["usage"].prompt_tokens_details.cached_tokens == 12
+    assert _prefill_tokens(ctx) - before == len(longer) - 12 == 7
 
 
 def test_refusals(clients):

@@ -6,7 +6,8 @@ Checked: the client's stream / JSON answer equals an undisturbed run token for t
 text and usage too); no recompute (the two gen servers together compute exactly the tokens one
 undisturbed gen server computes, and the target pulls exactly the bytes the drained server sent);
 a server with several running streams is empty within seconds; every KV pool is full afterwards.
-The same for generation_first streams (a second cluster), whose moved text equals the colocated run.
+The same for generation_first requests (a second cluster; a non-stream one is streamed internally),
+whose moved answers equal the colocated run.
 """
 
 from __future__ import annotations
@@ -192,12 +193,13 @@ def genfirst_cluster(tiny_model_dir, tmp_path_factory):
 
 
 def test_generation_first_streams_move_too_and_equal_colocated(genfirst_cluster):
-    """A generation_first stream is movable like a context_first one (the relay follows its token
-    ids): moved mid-decode, its text equals the colocated run's, with no token computed twice."""
+    """A generation_first request is movable like a context_first one (the relay follows its token
+    ids; a non-stream one is streamed internally from the gen server): moved mid-decode, its answer
+    equals the colocated run's (text and usage), with no token computed twice."""
     c, n = genfirst_cluster, GENFIRST_TOKENS
-    cases = [case for case in CASES if case[1]] * 2  # streams (a non-stream generation_first answer is the server's JSON)
-    with ThreadPoolExecutor(2) as pool:  # the reference: both phases on one server, no disaggregation
-        colocated = list(pool.map(lambda case: ask(c.server_url("ctx"), case[0], body(*case, n)), cases[:2]))
+    cases = list(CASES) * 2  # streams and a non-stream request
+    with ThreadPoolExecutor(3) as pool:  # the reference: both phases on one server, no disaggregation
+        colocated = list(pool.map(lambda case: ask(c.server_url("ctx"), case[0], body(*case, n)), cases[:3]))
     before = totals(c)
     results: dict = {}
     workers = run_all(c, cases, results, wait=False, max_tokens=n)

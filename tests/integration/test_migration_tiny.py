@@ -213,18 +213,32 @@ def test_sigterm_moves_every_stream_to_the_other_gen_server_and_exits_0_in_secon
     assert metric(c, "pdserve_orchestrator_migrations_total") == 0  # moved, never migrated
 
 
+DECODED_BEFORE_KILL = 12  # tokens per request the victim decodes before the kill (of MAX_TOKENS)
+
+
+def wait_decoded(url: str, tokens: int, timeout_s: float = 30.0) -> None:
+    """Until the gen server at ``url`` has computed ``tokens`` tokens in all (``tokens_computed``)."""
+    deadline = time.monotonic() + timeout_s
+    while counters(url)[0] < tokens:
+        assert time.monotonic() < deadline, f"{url} computed {counters(url)[0]} of {tokens} tokens in {timeout_s} s"
+        time.sleep(0.02)
+
+
 def test_killed_gen_server_mid_decode_migrates_and_equals_the_undisturbed_runs(migration_cluster):
     c = migration_cluster
     reference = {case: run_lp(c.url, case[0], seeded(*case)) for case in CASES}
     for ref in reference.values():
         assert ref[1] == "length" and ref[2]["completion_tokens"] == MAX_TOKENS and len(ref[3]) == MAX_TOKENS
+    computed_before = {url: counters(url)[0] for url in gens(c).values()}
     results: dict = {}
     workers = [threading.Thread(target=lambda case=case: results.__setitem__(case, run_in_session(c.url, *case)),
                                 daemon=True) for case in CASES]
     for w in workers:
         w.start()
     victim = busy_gen_server(c, len(CASES))
-    time.sleep(0.4)  # ~a dozen tokens into the decode
+    # Kill once the victim has decoded ~a dozen tokens per request (counted, not timed: under load
+    # a fixed sleep could land before its first decoded token, and the handed count below is 1).
+    wait_decoded(victim, computed_before[victim] + DECODED_BEFORE_KILL * len(CASES))
     assert all(w.is_alive() for w in workers), "a request finished before the kill"
     kill_gen_server(c, victim)
     for w in workers:

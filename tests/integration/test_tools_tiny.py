@@ -159,6 +159,31 @@ def test_the_template_gets_tools_history_and_kwargs(cluster):
     assert "<think>" not in rendered(cluster.server_url("gen"), {"messages": HISTORY})
 
 
+def test_chat_template_kwargs_reach_the_template_of_a_chat_call(clients, cluster):
+    """enable_thinking false adds the template's empty think block: the prompt the chat call counts
+    grows by exactly its tokens, and the answer (greedy) is the same on both paths, stream and not."""
+    think = {"chat_template_kwargs": {"enable_thinking": False}}
+    counts = {key: httpx.post(cluster.url + "/tokenize", json={"model": MODEL, "messages": HISTORY[:1], **body},
+                              timeout=30).json()["count"] for key, body in (("plain", {}), ("think", think))}
+    assert counts["think"] > counts["plain"]
+    texts = set()
+    for name in ("disagg", "colocated"):
+        for stream in (False, True):
+            for key, extra in (("plain", {}), ("think", think)):
+                kw = dict(model=MODEL, messages=HISTORY[:1], max_tokens=6, temperature=0,
+                          extra_body={"ignore_eos": True, **extra})
+                if stream:
+                    chunks = list(clients[name].chat.completions.create(
+                        **kw, stream=True, stream_options={"include_usage": True}))
+                    usage, text = chunks[-1].usage, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                else:
+                    r = clients[name].chat.completions.create(**kw)
+                    usage, text = r.usage, r.choices[0].message.content
+                assert usage.prompt_tokens == counts[key], (name, stream, key)
+                texts.add((key, text))
+    assert len(texts) == 2, texts   # one answer per template variant, everywhere the same
+
+
 def test_history_with_tool_messages_disaggregated_equals_colocated(clients):
     kw = dict(messages=HISTORY, tools=[WEATHER], max_tokens=12, extra_body={"ignore_eos": True})
     want = answer(clients["colocated"], False, **kw)
@@ -196,8 +221,10 @@ def test_a_call_cut_by_max_tokens_keeps_length(clients, script, tok):
 
 def test_tool_choice_none_and_no_bias_are_plain_text(clients, script):
     script(CALL_TEXT)
-    got = answer(clients["disagg"], False, tools=[WEATHER], tool_choice="none", extra_body=BIAS)
-    assert got == {"content": CALL_TEXT, "reasoning": None, "calls": [], "finish": "stop"}
+    for name in ("disagg", "colocated"):
+        for stream in (False, True):
+            got = answer(clients[name], stream, tools=[WEATHER], tool_choice="none", extra_body=BIAS)
+            assert got == {"content": CALL_TEXT, "reasoning": None, "calls": [], "finish": "stop"}, (name, stream)
 
 
 def test_bad_requests_are_400_on_the_server_too(clients):
@@ -238,11 +265,13 @@ def test_required_calls_one_of_the_tools(clients):
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (SHORT_WEATHER, TIME)}
     for seed in (4, 5):
-        got = answer(clients["disagg"], False, tools=[SHORT_WEATHER, TIME], tool_choice="required", temperature=1.0,
-                     seed=seed, max_tokens=60)
+        kw = dict(tools=[SHORT_WEATHER, TIME], tool_choice="required", temperature=1.0, seed=seed, max_tokens=60)
+        got = answer(clients["disagg"], False, **kw)
         (name, arguments), = got["calls"]
         assert got["finish"] == "tool_calls"
         jsonschema.validate(json.loads(arguments), schemas[name])
+        for client, stream in (("disagg", True), ("colocated", False), ("colocated", True)):
+            assert answer(clients[client], stream, **kw) == got, (client, stream)
 
 
 def test_a_forced_choice_with_response_format_is_a_400(clients):

@@ -59,6 +59,9 @@ class Behavior:
     reset_status: int = 200                # POST /reset_prefix_cache answers this
     ctx_wait_ms: int = 5000                # gen, generation_first: how long it waits on the ctx server
     ctx_delay_s: float = 0.0               # ctx: think this long before answering (a slow prefill)
+    # ctx: answer only once a gen server's lease wait for the request timed out (then ctx_delay_s):
+    # the order a test needs, whatever the load (a fixed delay raced the gen side's slow wait)
+    ctx_answer_after_wait_timeout: bool = False
     tokens: list[str] | None = None        # the token texts answers are made of (None: TOKENS)
     finish_reason: str = "length"          # what an answer that reaches max_tokens ends with
 
@@ -201,6 +204,10 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
     """A FastAPI app behaving like a ctx (``role="ctx"``) or gen server."""
     app = FastAPI()
     outcomes: dict[str, asyncio.Future] = {}  # ctx: disagg_request_id -> lease-wait outcome (this app's loop)
+    timed_out: dict[str, asyncio.Event] = {}  # ctx: disagg_request_id -> a lease wait for it timed out
+
+    def wait_timed_out(disagg_id: str) -> asyncio.Event:
+        return timed_out.setdefault(disagg_id, asyncio.Event())
 
     def outcome(disagg_id: str) -> asyncio.Future:
         return outcomes.setdefault(disagg_id, asyncio.get_running_loop().create_future())
@@ -228,6 +235,8 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
         dp = body.get("disaggregated_params") or {}
         if role == "ctx":
             assert dp.get("request_type") == "context_only" and body["stream"] is False
+            if beh.ctx_answer_after_wait_timeout:
+                await asyncio.wait_for(wait_timed_out(dp.get("disagg_request_id") or "").wait(), 30)
             await asyncio.sleep(beh.ctx_delay_s)
             answer, result = _ctx_answer(beh, rec, chat, body)
             settle(body, result)
@@ -284,6 +293,7 @@ def make_fake_server(role: str, beh: Behavior, rec: Record) -> FastAPI:
         try:
             return await asyncio.wait_for(asyncio.shield(outcome(body["disagg_request_id"])), body["wait_ms"] / 1000)
         except TimeoutError:
+            wait_timed_out(body["disagg_request_id"]).set()
             return {"state": "timeout"}
 
     @app.post("/disagg/release")

@@ -33,10 +33,23 @@ def test_gen_request_names_the_ctx_server_and_waits_for_its_lease(make_cluster, 
     assert ctx_dp["request_type"] == "context_only" and ctx_body["stream"] is False
     assert dp == {"request_type": "generation_only", "disagg_request_id": ctx_dp["disagg_request_id"],
                   "ctx_url": c.ctx[0].server.url,  # nothing of the ctx answer: it did not exist yet
-                  # a stream keeps its ids (migration) and may move off a gen server that drains
-                  **({"stream_token_ids": True, "movable": True} if stream else {})}
+                  # the relay keeps the ids (migration) and may move it off a gen server that drains;
+                  # a non-stream request too: it is streamed internally from the gen server
+                  "stream_token_ids": True, "movable": True}
+    assert gen_body["stream"] is True
+    if not stream:  # the internal stream asks for the usage chunk that makes the answer's usage
+        assert gen_body["stream_options"] == {"include_usage": True}
+        assert r.json()["usage"]["completion_tokens"] == 5
     assert c.gen[0].record.sources == list(c.ctx[0].record.leases)  # the wait returned the parked lease
     assert c.ctx[0].record.releases == []
+
+
+def test_with_migration_off_a_non_stream_answer_is_the_gen_servers_json(make_cluster):
+    c = make_cluster(schedule_style="generation_first", migration_limit=0)
+    r = httpx.post(c.url + "/v1/completions", json={**COMPLETION, "stream": False}, timeout=10)
+    assert r.status_code == 200 and answer_text(r.json(), chat=False) == text_of(5), r.text
+    (gen_body,) = c.gen[0].record.bodies
+    assert gen_body["stream"] is False and "movable" not in gen_body["disaggregated_params"]
 
 
 def test_gen_request_leaves_with_the_ctx_request(make_cluster):
@@ -80,7 +93,12 @@ def test_finished_at_first_token_cancels_the_gen_request(make_cluster):
 
 
 def test_wait_timeout_is_a_504_not_retried(make_cluster):
-    c = make_cluster(n_gen=2, schedule_style="generation_first", behaviors={"ctx": [{"ctx_delay_s": 0.5}]})
+    # The gen server's wait (50 ms) runs out before the ctx server answers: the ctx answer waits
+    # for that timeout and then 0.3 s for the gen server's 504 to reach the orchestrator (a fixed
+    # 0.5 s from the ctx request raced the gen side's whole wait path under load, and a late 504
+    # meets a stream that already has its first token: an error event, not this 504).
+    c = make_cluster(n_gen=2, schedule_style="generation_first",
+                     behaviors={"ctx": [{"ctx_answer_after_wait_timeout": True, "ctx_delay_s": 0.3}]})
     for node in c.gen:
         node.behavior.ctx_wait_ms = 50
     r = httpx.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=10)
@@ -106,8 +124,10 @@ def test_a_stream_is_counted_once_and_times_its_kv_handoff_from_the_ctx_answer(m
         assert r.status_code == 200, r.text
     text = httpx.get(c.url + "/metrics", timeout=5).text
     assert metric(text, 'pdserve_orchestrator_routed_requests_total{path="disaggregated",pool="gen"}') == 2
-    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_count") == 1  # the stream only
-    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_sum") < 0.4   # without the 0.4 s prefill
+    # Both: a non-stream request is streamed internally from the gen server (migration on), so its
+    # handoff is timed the same way.
+    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_count") == 2
+    assert metric(text, "pdserve_orchestrator_kv_transfer_seconds_sum") < 0.4   # without the 0.4 s prefills
     assert metric(text, "pdserve_orchestrator_ctx_phase_seconds_sum") >= 0.8    # both waited for it
 
 

@@ -66,8 +66,6 @@ def test_gen_failure_after_the_early_first_token_is_retried_without_duplicated_t
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("path,body,chat", ENDPOINTS)
 def test_stream_migrates_off_a_gen_server_that_breaks_mid_decode(make_cluster, path, body, chat, stream, style):
-    if style == "generation_first" and not stream:
-        pytest.skip("generation_first relays a non-stream gen answer as JSON: no internal stream to migrate")
     c = make_cluster(n_gen=2, schedule_style=style)
     c.gen[0].behavior.break_after_chunks = 3
     req = {**body, "max_tokens": 6, "stream_options": {"include_usage": True}} if stream else {**body, "max_tokens": 6}
@@ -127,17 +125,12 @@ def test_migration_limit_0_ends_the_stream_with_an_error_event(make_cluster):
 def test_a_moved_stream_continues_on_another_gen_server_that_pulls_its_kv(make_cluster, stream, style):
     """Drain by moving KV: the draining gen server ends the stream with a moved event; the relay sends
     the request to the other gen server with that lease (no second prefill) and the client sees one
-    stream with every token once. generation_first: the same for a stream; a non-stream request is
-    relayed as the gen server's JSON, so it is not movable and finishes where it is."""
+    stream with every token once; a non-stream request is streamed internally the same way (both
+    schedule styles)."""
     c = make_cluster(n_gen=2, schedule_style=style)
     c.gen[0].behavior.moved_after_chunks = 3
     req = {**COMPLETION, "max_tokens": 6, "stream_options": {"include_usage": True}} if stream else \
         {**COMPLETION, "max_tokens": 6}
-    if style == "generation_first" and not stream:
-        r = httpx.post(c.url + "/v1/completions", json=req, timeout=10)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text_of(6), r.text
-        assert "movable" not in c.gen[0].record.bodies[0]["disaggregated_params"] and c.gen[1].record.bodies == []
-        return
     if stream:
         events, _ = stream_events(c.url + "/v1/completions", req)
         assert stream_text(events, chat=False) == text_of(6) and events[-1] == "[DONE]"

@@ -47,9 +47,18 @@ class Group:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(tmp / "orchestrator.log", "wb")
         env = {**os.environ, "PDSERVE_ADMIN_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
+        # Its own session: stop() can end the whole group (the owner and the worker process it
+        # started) by the owner's PID, even after a SIGKILL of the owner.
         self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--config", str(path), "--log-level",
-                                      "warning"], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.wait_both(60.0)
+                                      "warning"], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self.wait_both(60.0)
+        except BaseException:
+            # The fixture never gets this object when the constructor raises, so nobody else would
+            # stop the processes and fake servers started above (they were left running).
+            self.stop()
+            raise
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, timeout=10, trust_env=False, **kw)  # a new connection each call
@@ -87,13 +96,19 @@ class Group:
         raise AssertionError(f"only processes {sorted(seen)} answered in {MAX_TRIES} connections")
 
     def stop(self) -> None:
+        """Stop the orchestrator group (SIGTERM to the owner, which stops its worker; past 20 s
+        SIGKILL to the owner's process group) and the fake servers. Safe to call twice."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+                pass
+        try:  # whatever of the group is left (the worker, if the owner could not stop it)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
         self.log.close()
         for fake in self.fakes:
             fake.stop()

@@ -56,3 +56,30 @@ def test_tp_ranks_get_one_gpu_each_and_nccl():
     assert [tp_rank_device("cuda:1", r) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:3"]
     assert tp_rank_device("cpu", 2) == "cpu"
     assert (tp_backend("cuda:0"), tp_backend("cpu")) == ("nccl", "gloo")
+
+
+def test_no_driver_means_no_cuda_device_and_no_torch_import(tmp_path):
+    """Without the NVIDIA driver's nodes the answer is 0 at once: a CPU server resolves its device
+    before it launches its ranks, and importing torch there would delay them by seconds."""
+    import subprocess
+    import sys
+
+    from pdserve.devices import visible_cuda_devices
+
+    assert visible_cuda_devices((tmp_path / "nvidiactl", tmp_path / "dxg")) == 0
+    code = ("import sys, pathlib; from pdserve.devices import visible_cuda_devices; "
+            f"n = visible_cuda_devices((pathlib.Path({str(tmp_path / 'none')!r}),)); "
+            "assert n == 0 and 'torch' not in sys.modules, (n, 'torch' in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_server_launches_its_ranks_before_it_imports_torch():
+    """``python -m ctx_worker`` imports only light modules before :func:`launch_ranks` (the ranks'
+    start-up then overlaps the frontend's imports of torch and the HTTP stack)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import executor.server_main as m; import executor.proxy; "
+            "heavy = [n for n in ('torch', 'fastapi', 'uvicorn', 'transformers', 'engine') if n in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
