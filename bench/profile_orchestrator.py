@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import shutil
 import subprocess
 import sys
 import threading
@@ -38,7 +39,7 @@ GROUPS = {  # label -> substring of a frame; a sample counts once per group whos
     "relay merge (progress, relay_logprobs)": ("orchestrator/progress.py", "orchestrator/relay_logprobs.py"),
     "dispatch (disagg, gen_first, migration, front)": ("orchestrator/disagg.py", "orchestrator/gen_first.py",
                                                        "orchestrator/migration.py", "orchestrator/front.py"),
-    "prometheus metrics": ("prometheus_client",),
+    "metrics (prometheus_client, orchestrator/loop_metrics.py)": ("prometheus_client", "orchestrator/loop_metrics.py"),
     "logging": ("logging/",),
     "asyncio timeouts": ("asyncio/timeouts.py",),
     "event loop itself (uvloop C: I/O, epoll)": ("Runner.run (asyncio/runners.py:118)",),
@@ -90,6 +91,8 @@ def main() -> int:
     suffix = "" if a.style == "context_first" else "-gen-first"
     out = RESULTS / "overhead" / f"profile-{a.router}{suffix}.txt"
     py_spy = str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():  # a py-spy installed elsewhere (its own venv, pipx) on PATH
+        py_spy = shutil.which("py-spy") or py_spy
     name = f"pdserve {a.router}" + (" gen-first" if a.style == "generation_first" else "")
     with Procs(RESULTS / "overhead" / "logs") as procs:
         urls = oo.start(procs, ns)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 from _harness import PY, RESULTS, ROOT, Procs, bench, loadavg, say, server_url, write_topology  # noqa: E402
+from _threads import cpu_by_thread, threads  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 OUT = RESULTS / "server_overhead"
@@ -51,10 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrencies", default="1,8")
     p.add_argument("--repeats", type=int, default=1, help="bare + every concurrency, this many times in turn")
+    p.add_argument("--cpu-binds", default="off", help="engine.cpu_bind of the server, comma-separated for an A/B "
+                   "in the same run: 'off,0-1' starts one server per value and measures them in turn each repeat "
+                   "(';' separates lists: 'off;0,1')")
     p.add_argument("--no-bare", action="store_true", help="skip the bare engine measurement")
     p.add_argument("--bare-child", action="store_true", help=argparse.SUPPRESS)  # the pinned child of step 1
     a = p.parse_args(argv)
     a.concs = [int(c) for c in a.concurrencies.split(",")]
+    a.binds = a.cpu_binds.split(";") if ";" in a.cpu_binds else a.cpu_binds.split(",")
     return a
 
 
@@ -71,21 +76,26 @@ def bare_child(a: argparse.Namespace) -> None:
                                       max_num_tokens=2048), "smollm2")
     decode_step_ms(engine, 1, 16, 4, False)  # warm-up
     for batch in (1, 8):
-        before = engine.step_clock.snapshot("step")
+        before, th0 = engine.step_clock.snapshot("step"), threads(os.getpid())
         wall, cpu = decode_step_ms(engine, batch, a.input_len, a.output_len, False)
         stages = stage_means(before, engine.step_clock.snapshot("step"), "step", "decode")
-        print(json.dumps({"batch": batch, "step_ms": wall, "cpu_ms": cpu, "stages_ms": stages}), flush=True)
+        ths = {k: v for k, v in cpu_by_thread(th0, threads(os.getpid())).items() if v["cpu_s"] >= 0.01}
+        print(json.dumps({"batch": batch, "step_ms": wall, "cpu_ms": cpu, "stages_ms": stages, "threads": ths}),
+              flush=True)
 
 
 def run_bare(a: argparse.Namespace) -> list[dict]:
     cmd = ["taskset", "-c", a.cores, PY, str(Path(__file__).resolve()), "--bare-child", "--dtype", a.dtype,
            "--threads", str(a.threads), "--input-len", str(a.input_len), "--output-len", str(a.output_len)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # its own session, as the server's ranks (executor.proxy): with the kernel's autogroups on, a
+    # session is the unit the CPU is shared by, so both get the same share of a loaded machine
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, start_new_session=True)
     if res.returncode:
         raise RuntimeError(f"the bare engine child failed ({res.returncode}): {res.stderr[-2000:]}")
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     for r in rows:
-        say(f"bare b{r['batch']}: step {r['step_ms']:.1f} ms (CPU {r['cpu_ms']:.1f} ms), stages {r['stages_ms']}")
+        say(f"bare b{r['batch']}: step {r['step_ms']:.1f} ms (CPU {r['cpu_ms']:.1f} ms), stages {r['stages_ms']}, "
+            f"threads {r['threads']}")
     return rows
 
 
@@ -160,8 +170,10 @@ def bench_argv(url: str, conc: int, n: int, a: argparse.Namespace, warmups: int 
 def measure_point(url: str, conc: int, pids: dict[str, int], a: argparse.Namespace) -> dict:
     """One pdbench run at ``conc`` with the clocks and CPU times read around it."""
     s0, cpu0, me0 = server_stats(url), {n: proc_cpu_s(p) for n, p in pids.items()}, time.process_time()
+    th0 = {n: threads(p) for n, p in pids.items()}
     load0 = loadavg()
     doc = bench(bench_argv(url, conc, conc * a.num_prompts, a))
+    th1 = {n: threads(p) for n, p in pids.items()}
     me1, cpu1, s1 = time.process_time(), {n: proc_cpu_s(p) for n, p in pids.items()}, server_stats(url)
     run = doc["runs"][0]
     m, reqs = run["metrics"], run["requests"]
@@ -174,33 +186,60 @@ def measure_point(url: str, conc: int, pids: dict[str, int], a: argparse.Namespa
             "step": stage_means(s0, s1, "step", "decode"), "loop": stage_means(s0, s1, "loop", "decode"),
             "loop_prefill_s": stage_totals(s0, s1, "loop", "prefill"),
             "loop_idle_s": stage_totals(s0, s1, "loop", "idle") + stage_totals(s0, s1, "loop", "empty"),
-            "cpu_ms_per_token": cpu, "load": [load0, loadavg()]}
+            "cpu_ms_per_token": cpu, "load": [load0, loadavg()],
+            "threads": {n: thread_ms_per_token(th0[n], th1[n], tokens) for n in pids}}
 
 
-def start_server(a: argparse.Namespace, procs: Procs) -> tuple[str, dict[str, int]]:
-    """The server, up and warmed up; its URL and the pids of rank 0 and the frontend."""
-    topo = OUT / "server.yaml"
-    doc = write_topology(topo, engine={"num_threads": a.threads, "dtype": a.dtype})
+def thread_ms_per_token(before: list, after: list, tokens: int) -> dict[str, dict]:
+    """Per thread of one process: CPU ms per output token, its allowed cores, last core and niceness."""
+    rows = cpu_by_thread(before, after)
+    return {k: {**v, "cpu_ms_per_token": round(1e3 * v.pop("cpu_s") / max(1, tokens), 3)} for k, v in rows.items()}
+
+
+def start_server(a: argparse.Namespace, procs: Procs, bind: str) -> tuple[str, dict[str, int]]:
+    """The server with ``engine.cpu_bind: bind``, up and warmed up; its URL and the pids of rank 0
+    and the frontend."""
+    setting, _, helpers = bind.partition("+")
+    name = f"server-bind-{bind.replace(',', '_').replace('+', '_')}"
+    topo = OUT / f"{name}.yaml"
+    doc = write_topology(topo, engine={"num_threads": a.threads, "dtype": a.dtype, "cpu_bind": setting})
     url = server_url(doc, "ctx")
-    server = procs.start("server", [PY, "-m", "ctx_worker", "--config", str(topo), "--index", "0"], cores=a.cores)
-    procs.wait_http("server", url + "/health", 600)
+    server = procs.start(name, [PY, "-m", "ctx_worker", "--config", str(topo), "--index", "0"], cores=a.cores)
+    procs.wait_http(name, url + "/health", 600)
     bench(bench_argv(url, 1, 2, a))  # warm-up, not measured
-    return url, {"rank 0": find_rank0(server.pid), "frontend": server.pid}
+    pids = {"rank 0": find_rank0(server.pid), "frontend": server.pid}
+    if helpers:  # "0-1+helpers": the frontend and rank 0's unpinned threads move off the engine thread's core
+        move_helpers(pids, setting)
+    return url, pids
+
+
+def move_helpers(pids: dict[str, int], setting: str) -> None:
+    """Every thread of the frontend and every rank-0 thread that is not pinned to one core goes to
+    the cores of ``setting`` after its first (the OpenMP workers' cores): an experiment (issue 11)."""
+    from pdserve.cpu_bind import parse_cpu_list
+
+    rest = set(parse_cpu_list(setting)[1:])
+    for proc, pid in pids.items():
+        for t in threads(pid):
+            if proc == "frontend" or "," in t.allowed or "-" in t.allowed:
+                os.sched_setaffinity(t.tid, rest)
 
 
 def run_repeats(a: argparse.Namespace, procs: Procs) -> list[dict]:
-    """Each repeat: the bare child (the idle server waits meanwhile), then every concurrency."""
-    url, pids = start_server(a, procs)
+    """Each repeat: the bare child (the idle servers wait meanwhile), then every concurrency on
+    each server (one per ``--cpu-binds`` value, in turn; the others idle meanwhile)."""
+    servers = {bind: start_server(a, procs, bind) for bind in a.binds}
     reps = []
     for rep in range(a.repeats):
         bare = [] if a.no_bare else run_bare(a)
         points = []
         for conc in a.concs:
-            p = measure_point(url, conc, pids, a)
-            say(f"repeat {rep} c{conc}: {json.dumps(p)}")
-            points.append(p)
+            for bind, (url, pids) in servers.items():
+                p = {"cpu_bind": bind, **measure_point(url, conc, pids, a)}
+                say(f"repeat {rep} c{conc} cpu_bind {bind}: {json.dumps(p)}")
+                points.append(p)
         reps.append({"repeat": rep, "bare": bare, "server": points})
-    procs.stop("server")
+    procs.stop_all()
     return reps
 
 
@@ -226,7 +265,11 @@ def breakdown(p: dict, bare: dict | None) -> str:
                  f"{1e3 * p['loop_idle_s'] / max(1, loop['count']):.2f}", f"{p['loop_idle_s']:.2f} s in all"))
     cpu = ", ".join(f"{n} {v:.2f}" for n, v in p["cpu_ms_per_token"].items())
     rows.append(("CPU ms per output token", "", cpu))
-    out = [f"c{conc}: {p['tok_s']:.1f} tok/s, {p['tokens']} output tokens, "
+    for proc, ths in p.get("threads", {}).items():
+        busy = [f"{k} {v['cpu_ms_per_token']:.2f} (cores {v['allowed']}, nice {v['nice']})"
+                for k, v in ths.items() if v["cpu_ms_per_token"] >= 0.01]
+        rows.append((f"  {proc} threads (CPU ms per token)", "", "; ".join(busy)))
+    out = [f"c{conc}, cpu_bind {p.get('cpu_bind', 'off')}: {p['tok_s']:.1f} tok/s, {p['tokens']} output tokens, "
            f"load {p['load'][0]:.1f} → {p['load'][1]:.1f}",
            "", "| per decode iteration | ms | note |", "|---|---:|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]

@@ -68,17 +68,20 @@ log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    """An error answered as an OpenAI error body with HTTP ``status``."""
+    """An error answered as an OpenAI error body with HTTP ``status``; ``code`` is the body's ``code``
+    (OpenAI's string, e.g. ``model_not_found``), the status when None."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 close_connection: bool = False):
+                 close_connection: bool = False, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code
         self.close_connection = close_connection  # a 413 left the body unread
 
     def response(self) -> JSONResponse:
         headers = {"connection": "close"} if self.close_connection else None
-        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status,
+        return JSONResponse(error_body(self.message, self.type, self.code or self.status, self.param),
+                            status_code=self.status,
                             headers=headers)
 
 
@@ -259,7 +262,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     cfg = state.config
     if body.model != cfg.model.name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{cfg.model.name}`",
-                       "model_not_found", "model")
+                       param="model", code="model_not_found")
     disagg = body.disaggregated_params
     rtype = disagg.request_type if disagg else "context_and_generation"
     handler = state.handlers.get(rtype)
@@ -446,7 +449,7 @@ class _Run:
             if include_usage:
                 yield enc.usage_event(self.choices.usage())
         except ApiError as err:
-            yield sse_event(error_body(err.message, err.type, err.status))
+            yield sse_event(error_body(err.message, err.type, err.code or err.status))
         finally:
             await self.outputs.aclose()
         yield SSE_DONE

@@ -365,10 +365,11 @@ class ChunkEncoder:
         ids = "" if token_ids is None else f'"token_ids":{_dumps(token_ids)},'
         end = f'{ids}"finish_reason":{_dumps(finish_reason)},"logprobs":{lp}}}],"usage":{use}}}\n\n'
         if self.chat and delta is not None:
-            choice = f'{{"index":{int(index)},"delta":{_dumps({"role": "assistant" if role else None, **delta})},'
+            head = {"role": "assistant"} if role else {}
+            choice = f'{{"index":{int(index)},"delta":{_dumps({**head, **delta})},'
         elif self.chat:
-            role_json = '"assistant"' if role else "null"
-            choice = f'{{"index":{int(index)},"delta":{{"role":{role_json},"content":{_dumps(text)}}},'
+            role_json = '"role":"assistant",' if role else ""  # later deltas leave role out, as OpenAI's
+            choice = f'{{"index":{int(index)},"delta":{{{role_json}"content":{_dumps(text)}}},'
         else:
             choice = f'{{"index":{int(index)},"text":{_dumps(text or "")},'
         return (self._head + choice + end).encode()

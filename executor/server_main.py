@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 # Only light modules at the top (no torch, no FastAPI): see the module docstring.
 from executor import registration
 from executor.proxy import Proxy, StartupError
+from pdserve.api_keys import MissingApiKey, load_api_key
 from pdserve.config import Role, ServerConfig, TopologyError, load_topology
 from pdserve.devices import visible_cuda_devices
 from pdserve.dtypes import emulation_warning, read_cpu_flags
@@ -195,7 +196,8 @@ def main(role: Role, argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {role}[{args.index}] %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_topology(args.config).server_config(role, args.index, host=args.host, port=args.port)
-    except (TopologyError, IndexError) as err:
+        load_api_key(cfg.api_key_env)  # unset or empty: refuse at once, before any rank starts
+    except (TopologyError, IndexError, MissingApiKey) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     try:

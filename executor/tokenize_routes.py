@@ -24,7 +24,7 @@ from pdserve.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.config.model.name:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves `{state.config.model.name}`",
-                       "model_not_found", "model")
+                       param="model", code="model_not_found")
 
 
 def _validated(raw: dict, model: type) -> object:

@@ -32,6 +32,8 @@ from executor.ipc import Codec
 from pdserve.devices import is_cuda, tp_rank_device
 from executor.messages import Ack, RankFailed, RankHello, RankReady
 from executor.monitor import proc_start_time
+from executor.rank_threads import env_rank, pin_engine_thread, prepare, release_main_thread
+from pdserve.cpu_bind import RankCores
 
 log = logging.getLogger("pdserve.worker")
 
@@ -129,12 +131,33 @@ def rank_shards(engine, info: dict, ipc: Path, size: int):
     return RankShards(caches, layouts)
 
 
+def plan_threads(spec: dict) -> tuple[RankCores, Exception | None]:
+    """Steps 1-2 of executor.rank_threads: plan this rank's cores, set the OpenMP binding, load
+    torch, give the main thread its whole mask back. Sets the engine's ``num_threads`` to the
+    plan's in ``spec``. Returns the plan (no cores on an error) and the error, if any."""
+    engine = spec["server"]["engine"]
+    allowed = os.sched_getaffinity(0)
+    try:
+        plan = prepare(engine["cpu_bind"], engine["num_threads"], engine["tp_size"], env_rank())
+    except (ValueError, RuntimeError) as err:
+        return RankCores((), engine["num_threads"], str(err)), err
+    if plan.cores:
+        import torch  # noqa: F401 - its OpenMP runtime reads the binding now and pins this thread
+
+        release_main_thread(allowed)
+        engine["num_threads"] = plan.threads
+    return plan, None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m executor.worker_main")
     p.add_argument("--ipc-dir", required=True)
     args = p.parse_args(argv)
     ipc = Path(args.ipc_dir)
     spec = json.loads((ipc / "spec.json").read_text())
+    # The OpenMP binding (engine.cpu_bind) is read once, when torch's OpenMP runtime loads: plan it
+    # first, before UCX (whose preload imports torch) and MPI; a bad plan is reported after the hello.
+    plan, bind_error = plan_threads(spec)
     # Load UCX before MPI: the mpich wheel brings its own libucs, and whichever loads first wins;
     # ucxx loaded after it fails with "undefined symbol: ucs_ifname_to_ndev_index".
     backend = spec["server"]["kv_transfer"]["backend"]
@@ -147,12 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    log.info("%s", plan.reason)
     codec = Codec((ipc / "key").read_bytes())
     zctx = zmq.Context()
     hs = _handshake_socket(zctx, spec["ready_addr"], rank)
     pid = os.getpid()
     hs.send(codec.encode(RankHello(rank, pid, proc_start_time(pid))))
     try:
+        if bind_error is not None:
+            raise bind_error
+        if plan.cores and rank != env_rank():
+            raise RuntimeError(f"MPI rank {rank} but PMI_RANK {env_rank()}: engine.cpu_bind planned the wrong cores")
         tp = init_tensor_parallel(comm, rank, size, float(spec.get("tp_timeout_s", 600)),
                                   spec["server"]["engine"]["device"])
         engine, role, info = build_worker(spec, rank, size, tp, ipc)
@@ -168,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             loop = EngineLoop(engine, role, transport, rank_shards(engine, info, ipc, size))
             # A hung step (e.g. a collective) is invisible to the pidfds: the watchdog ends this rank.
             guard_engine(engine, float(spec["server"]["engine"]["step_timeout_s"]), exit_rank(spec["lane_addrs"], codec))
+        # last: the threads started above keep the whole mask; this thread runs the steps on cores[0]
+        pin_engine_thread(plan)
     except Exception as err:  # noqa: BLE001 - reported to the proxy, then the rank exits
         cause = f"{type(err).__name__}: {err}"
         log.error("start-up failed: %s\n%s", cause, traceback.format_exc())

@@ -8,6 +8,7 @@ import sys
 
 import uvicorn
 
+from pdserve.api_keys import MissingApiKey, load_api_key
 from pdserve.config import TopologyError, load_topology
 
 from .app import create_app
@@ -16,7 +17,8 @@ from pdserve.request_id import install_log_filter
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run until SIGINT/SIGTERM. Returns 2 when the topology file is invalid."""
+    """Run until SIGINT/SIGTERM. Returns 2 when the topology file is invalid or names an API key
+    variable (``api_key_env``) that is unset or empty."""
     parser = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__)
     parser.add_argument("--config", required=True, help="topology YAML file")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -24,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         topology = load_topology(args.config)
-    except TopologyError as err:
+        for env_name in (topology.orchestrator.api_key_env, topology.pool("ctx").api_key_env,
+                         topology.pool("gen").api_key_env):
+            load_api_key(env_name)  # a key variable exported nowhere is bad configuration, not a traceback
+    except (TopologyError, MissingApiKey) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -37,10 +37,13 @@ def _self_command() -> str:
 
 
 def curl_line(topology: Topology, url: str) -> str:
-    """A ready-to-paste chat-completion request against the orchestrator."""
+    """A ready-to-paste chat-completion request against the orchestrator (with the API key's
+    ``Authorization`` header, read from its variable by the user's shell, when one is set)."""
     body = {"model": topology.model.name, "messages": [{"role": "user", "content": "Hello! Who are you?"}],
             "max_tokens": 32}
-    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
+    env = topology.orchestrator.api_key_env
+    auth = f' -H "Authorization: Bearer ${env}"' if env else ""
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{json.dumps(body)}'"
 
 
 def ensure_admin_token(topology: Topology, log_dir: str) -> str | None:

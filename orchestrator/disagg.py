@@ -26,10 +26,11 @@ a subclass that replaces :meth:`DisaggFlow._disaggregated` and reuses the attemp
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -51,7 +52,7 @@ from .progress import Progress
 from .relay import GenRelay, GenSource, GenStream, StreamAnswer
 from .prompt_tokens import PromptTokenizer
 from .responses import EventStream, JSONAnswer, iterate
-from .prompt_blocks import prompt_blocks
+from .prompt_blocks import PromptBlocks, prompt_blocks
 from .router import RouteHint, Router
 from .sse import answer_to_events
 from .tasks import TaskOwner
@@ -74,6 +75,25 @@ class KVSourceFailed(Exception):
     """The gen server could not pull the parked KV: the ctx side is at fault, not the gen pool."""
 
 
+class _RequestIds:
+    """``disagg-`` + 32 hex digits: 64 random bits drawn once per process, then a counter (a uuid4
+    per request cost a ``getrandom`` call and a UUID object on the hot path). Drawn again in a
+    forked child (another pid), so no two orchestrator processes share the random half."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._prefix = ""
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        if self._pid != os.getpid():
+            self._pid, self._prefix, self._count = os.getpid(), os.urandom(8).hex(), itertools.count()
+        return f"disagg-{self._prefix}{next(self._count):016x}"
+
+
+_DISAGG_IDS = _RequestIds()
+
+
 @dataclass
 class Exchange:
     """One client request on its way through the cluster."""
@@ -82,7 +102,7 @@ class Exchange:
     body: dict     # the client's body as received (already validated)
     request_id: str | None = None  # the client's X-Request-Id (or one made for it): sent to every server
     session: str | None = None     # session-affinity key (header or `user` field), when configured
-    disagg_request_id: str = field(default_factory=lambda: f"disagg-{uuid.uuid4().hex}")
+    disagg_request_id: str = field(default_factory=lambda: _DISAGG_IDS.next())
     started_s: float = field(default_factory=time.monotonic)
     hint: RouteHint | None = None  # what the routers know about the prompt (set by DisaggFlow.handle)
     colocated: bool = False        # runs both phases on one gen server (conditional disaggregation)
@@ -134,13 +154,32 @@ class DisaggFlow:
         self._parsers = parsers
 
     async def _route_hint(self, ex: Exchange) -> RouteHint | None:
-        ids = None if self._tokenizer is None else await self._tokenizer.token_ids(ex.endpoint, ex.body)
-        if ids is None:
+        """What the routers get to know about ``ex``'s prompt (None: nothing).
+
+        When no ready server's KV index holds a block, no pick can depend on the prompt's blocks,
+        so tokenizing waits: the hint is *pending* (:meth:`RouteHint.resolve`) and is resolved
+        right after the context request is written (:meth:`_context_attempt`), while the ctx
+        server works, and before any later pick (:meth:`_with_retries`). The picks made before
+        that are the same ones the blocks would give; nothing else reads the hint earlier."""
+        tokenizer = self._tokenizer
+        if tokenizer is None:
             return RouteHint(session=ex.session) if ex.session else None
+        if self._settings.max_local_prefill_length <= 0 and tokenizer.inline(ex.body) and not any(
+                r.holds_blocks(self._pools.pool(role)) for role, r in self._routers.items()):
+            return RouteHint(session=ex.session, pending=lambda: self._blocks_of(ex, tokenizer.token_ids_now(
+                ex.endpoint, ex.body)))
+        found = self._blocks_of(ex, await tokenizer.token_ids(ex.endpoint, ex.body))
+        if found is None:
+            return RouteHint(session=ex.session) if ex.session else None
+        return RouteHint(*found, session=ex.session)
+
+    def _blocks_of(self, ex: Exchange, ids: list[int] | None) -> tuple[PromptBlocks, int] | None:
+        """The prompt's lazily hashed blocks and its length (tokens) for ``ids`` (None: None)."""
+        if ids is None:
+            return None
         dtype = self._dtype if self._dtype != "auto" else (self._pools.accepted_dtype() or self._dtype)
         # Lazily hashed: the routers read only as far as the longest prefix some server holds.
-        return RouteHint(prompt_blocks(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")),
-                         len(ids), ex.session)
+        return prompt_blocks(ids, self._block_size, self._model, dtype, ex.body.get("cache_salt")), len(ids)
 
     def _is_short(self, hint: RouteHint | None) -> bool:
         """Conditional disaggregation: the prompt's *uncached* length (its tokens less the prefix the
@@ -197,7 +236,7 @@ class DisaggFlow:
         ctx_server, answer = await self._with_retries("ctx", lambda s: self._context_attempt(ex, s), hint,
                                                       set(failed_ctx))
         self._metrics.ctx_phase.observe(time.monotonic() - t0)
-        self._metrics.routed.labels(pool="ctx", path="disaggregated").inc()
+        self._metrics.routed.labels("ctx", "disaggregated").inc()
         if all_finished(answer):
             return self._final_from_ctx(ex, answer)
         return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx)
@@ -220,7 +259,7 @@ class DisaggFlow:
         try:
             _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
                                                    exclude, failures)
-            self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
+            self._metrics.routed.labels("gen", "disaggregated").inc()
             handed_over = True
             return response
         except KVSourceFailed:
@@ -235,7 +274,7 @@ class DisaggFlow:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
         ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
-        self._metrics.routed.labels(pool="gen", path="colocated").inc()
+        self._metrics.routed.labels("gen", "colocated").inc()
         if ex.stream and num_choices(ex.body) > 1:
             return self._relayed_choices(ex, hint, None, None, set())
         if num_choices(ex.body) == 1 and (ex.stream or self._settings.migration_limit):
@@ -313,6 +352,8 @@ class DisaggFlow:
         tried: set[str] = set(exclude or ())
         failures = list(failures or ())
         for n in range(len(failures), 1 + self._settings.max_retries):
+            if hint is not None and (n or role == "gen"):
+                hint.resolve()  # a pending hint's "no block held" held at the first ctx pick only
             server = self._routers[role].pick(self._pools.pool(role), tried, hint)
             if server is None:
                 break
@@ -351,22 +392,31 @@ class DisaggFlow:
         there: the prefill starts first, and no task is needed for either request).
 
         Raises AttemptFailed (retry elsewhere), UpstreamRejected (4xx, relayed), or what ``then`` raises."""
-        predicted = self._predict(server, ex.hint)
+        hint = ex.hint
+        pending = hint is not None and hint.pending is not None
+        # At pick time (before any await); a pending hint: the server held no block then (its
+        # prediction is 0 or, unsynced, None), known once the prompt's length is.
+        predicted = self._predict(server, hint) if not pending else None
+        synced = pending and self._selfcheck is not None and self._selfcheck.synced(server.url)
         body = {**ex.body, "stream": False,
                 "disaggregated_params": {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}}
         body.pop("stream_options", None)
         timeout_s = self._settings.request_timeout_s
         with server.track():
             deadline = asyncio.get_running_loop().time() + timeout_s
-            pending = await start_post(self._client, server, ex.endpoint, jsonio.dumps(body), ex.request_id,
-                                       self._auth.get("ctx", ()))
+            sent = await start_post(self._client, server, ex.endpoint, jsonio.dumps(body), ex.request_id,
+                                    self._auth.get("ctx", ()))
             if then is not None:
                 try:
                     await then()
                 except BaseException:
-                    pending.close()  # nobody will read the answer: closing aborts the prefill
+                    sent.close()  # nobody will read the answer: closing aborts the prefill
                     raise
-            raw = await read_answer(pending, deadline, "ctx", timeout_s)
+            if pending:  # while the ctx server works: tokenize and hash for the later picks
+                assert hint is not None
+                hint.resolve()
+                predicted = 0 if synced and hint.num_tokens > 0 else None
+            raw = await read_answer(sent, deadline, "ctx", timeout_s)
         try:
             answer = parse_ctx_answer(raw)
         except ValueError:
@@ -402,7 +452,7 @@ class DisaggFlow:
             raise
         if leased:
             self._metrics.kv_handoff.observe(time.monotonic() - t0)
-            self._metrics.routed.labels(pool="gen", path="disaggregated").inc()
+            self._metrics.routed.labels("gen", "disaggregated").inc()
         return GenStream(server, stream, predicted)
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:

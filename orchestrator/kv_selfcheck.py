@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from .kv_index import KVIndexes
+from .loop_metrics import LoopCounter  # per answer: lock-free (orchestrator.loop_metrics)
 from .router import RouteHint
 
 
@@ -52,21 +53,26 @@ class HitSelfCheck:
         self.indexes = indexes
         self.block_size = block_size
         self.pools = {"ctx": PoolHits(), "gen": PoolHits()}
-        self._predicted = Counter("pdserve_orchestrator_kv_predicted_hit_tokens",
+        self._predicted = LoopCounter("pdserve_orchestrator_kv_predicted_hit_tokens",
                                   "Prompt tokens the router predicted the chosen server's prefix cache holds",
                                   ["pool"], registry=registry)
-        self._reported = Counter("pdserve_orchestrator_kv_reported_hit_tokens",
+        self._reported = LoopCounter("pdserve_orchestrator_kv_reported_hit_tokens",
                                  "Prompt tokens the servers reported from their prefix cache (cached_tokens)",
                                  ["pool"], registry=registry)
-        self._prompt = Counter("pdserve_orchestrator_kv_checked_prompt_tokens",
+        self._prompt = LoopCounter("pdserve_orchestrator_kv_checked_prompt_tokens",
                                "Prompt tokens of the requests in the predicted/reported self-check", ["pool"],
                                registry=registry)
-        self._unindexed = Counter("pdserve_orchestrator_kv_unindexed_picks",
+        self._unindexed = LoopCounter("pdserve_orchestrator_kv_unindexed_picks",
                                   "Self-checked picks of a server without a synced KV index (load-only)",
                                   ["pool"], registry=registry)
         # Per pool, once: labels() validates and locks on every call, and record() runs per answer.
         self._children = {pool: tuple(c.labels(pool=pool) for c in (self._prompt, self._reported, self._predicted,
                                                                       self._unindexed)) for pool in self.pools}
+
+    def synced(self, url: str) -> bool:
+        """Whether ``url`` has a synced KV index (a prediction there is a number, not None)."""
+        index = self.indexes.find(url)
+        return index is not None and index.synced
 
     def predict(self, url: str, hint: RouteHint | None) -> int | None:
         """Hit tokens predicted on ``url`` for ``hint``; None: no synced index (or no token ids)."""

@@ -1,9 +1,14 @@
-"""Prometheus metrics of one orchestrator app (its own CollectorRegistry, so apps never share)."""
+"""Prometheus metrics of one orchestrator app (its own CollectorRegistry, so apps never share).
+
+What a request records on its way (latencies, request and routing counts) lives in
+:mod:`orchestrator.loop_metrics` (lock-free, same exposition); the rest is ``prometheus_client``'s.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .loop_metrics import LoopCounter, LoopHistogram
 from .pools import ROLES, ClusterPools, ServerState
 
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
@@ -19,34 +24,34 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._children: dict[tuple, object] = {}
         r = self.registry
-        self.requests = Counter("pdserve_orchestrator_requests", "Client requests by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = LoopCounter("pdserve_orchestrator_requests", "Client requests by endpoint and HTTP status",
+                                    ["endpoint", "status"], registry=r)
         self.errors = Counter("pdserve_orchestrator_errors", "Errors by kind (ctx_failed, gen_stream, ...)",
                               ["kind"], registry=r)
-        self.ttft = Histogram("pdserve_orchestrator_ttft_seconds",
-                              "Time from request arrival to the first response byte sent to the client",
-                              ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram("pdserve_orchestrator_e2e_latency_seconds",
-                             "Time from request arrival to the last response byte", ["endpoint"],
-                             buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.ctx_phase = Histogram("pdserve_orchestrator_ctx_phase_seconds",
-                                   "Duration of the context phase (all attempts)", buckets=_LATENCY_BUCKETS_S,
-                                   registry=r)
-        self.tpot = Histogram("pdserve_orchestrator_time_per_output_token_seconds",
-                              "Per request: (last byte - first byte) / (output chunks - 1), streams only",
-                              ["endpoint"], buckets=_TOKEN_BUCKETS_S, registry=r)
-        self.itl = Histogram("pdserve_orchestrator_inter_token_latency_seconds",
-                             "Gap between consecutive stream chunks relayed to the client",
-                             ["endpoint"], buckets=_TOKEN_BUCKETS_S, registry=r)
-        self.queue = Histogram("pdserve_orchestrator_queue_time_seconds",
-                               "Arrival to the first upstream request (validation, tokenizing, routing)",
-                               buckets=_TOKEN_BUCKETS_S, registry=r)
-        self.kv_handoff = Histogram("pdserve_orchestrator_kv_transfer_seconds",
-                                    "Streaming requests: ctx answer to the gen server's first byte (KV pull + first "
-                                    "decode step; a non-streaming gen answer has no first byte before its last)",
-                                    buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.routed = Counter("pdserve_orchestrator_routed_requests", "Requests sent to a server, by pool and path",
-                              ["pool", "path"], registry=r)
+        self.ttft = LoopHistogram("pdserve_orchestrator_ttft_seconds",
+                                  "Time from request arrival to the first response byte sent to the client",
+                                  ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e = LoopHistogram("pdserve_orchestrator_e2e_latency_seconds",
+                                 "Time from request arrival to the last response byte", ["endpoint"],
+                                 buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.ctx_phase = LoopHistogram("pdserve_orchestrator_ctx_phase_seconds",
+                                       "Duration of the context phase (all attempts)", buckets=_LATENCY_BUCKETS_S,
+                                       registry=r)
+        self.tpot = LoopHistogram("pdserve_orchestrator_time_per_output_token_seconds",
+                                  "Per request: (last byte - first byte) / (output chunks - 1), streams only",
+                                  ["endpoint"], buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.itl = LoopHistogram("pdserve_orchestrator_inter_token_latency_seconds",
+                                 "Gap between consecutive stream chunks relayed to the client",
+                                 ["endpoint"], buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.queue = LoopHistogram("pdserve_orchestrator_queue_time_seconds",
+                                   "Arrival to the first upstream request (validation, tokenizing, routing)",
+                                   buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.kv_handoff = LoopHistogram("pdserve_orchestrator_kv_transfer_seconds",
+                                        "Streaming requests: ctx answer to the gen server's first byte (KV pull + first "
+                                        "decode step; a non-streaming gen answer has no first byte before its last)",
+                                        buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.routed = LoopCounter("pdserve_orchestrator_routed_requests", "Requests sent to a server, by pool and path",
+                                  ["pool", "path"], registry=r)
         self.retries = Counter("pdserve_orchestrator_retries", "Attempts repeated on another server, by pool",
                                ["pool"], registry=r)
         self.migrations = Counter("pdserve_orchestrator_migrations", "Streams continued on another gen server "
@@ -64,7 +69,7 @@ class Metrics:
                                registry=r)
         self.processes.set(1)
 
-    def child(self, metric: Counter | Histogram, *labels: str):
+    def child(self, metric: Counter | Histogram | LoopCounter | LoopHistogram, *labels: str):
         """``metric.labels(*labels)``, cached: the hot path records ~8 samples per request and
         prometheus_client's ``labels()`` validates and locks on every call."""
         key = (id(metric), labels)
@@ -85,3 +90,4 @@ class Metrics:
             if targets is not None:
                 self.pool_target.labels(pool=role).set(targets[role])
         return generate_latest(self.registry)
+

@@ -145,6 +145,8 @@ class GenPhase:
         from .disagg import Lease
 
         flow, ex = self._flow, self._ex
+        if self._hint is not None:
+            self._hint.resolve()  # a later pick: what held no block at the first one may hold some now
         server, answer = await flow._with_retries("ctx", lambda s: flow._context_attempt(ex, s), self._hint,
                                                   set(self._failed_ctx))
         choice = answer["choices"][0]

@@ -202,35 +202,41 @@ class Attempt:
         the positions it lacks (:mod:`orchestrator.relay_logprobs`); per-chunk ``usage``
         (continuous_usage_stats) is kept. Raises ValueError on a malformed logprobs object."""
         self.chunks += 1
-        if self.p.head is None:
-            self.p.head = {k: event.get(k) for k in ("id", "created", "model")}
-        event.update(id=self.p.head["id"], created=self.p.head["created"])
+        p = self.p
+        if p.head is None:
+            p.head = {k: event.get(k) for k in ("id", "created", "model")}
+        event["id"], event["created"] = p.head["id"], p.head["created"]
         choices = event.get("choices")
         if not choices:  # the usage-only chunk
             usage = event.get("usage")
             if not usage:
                 return None
-            self.p.usage = self._usage(usage)
-            event["usage"] = self.p.usage
+            p.usage = self._usage(usage)
+            event["usage"] = p.usage
             return event
         choice = choices[0]
         ids = choice.pop(TOKEN_IDS_FIELD, None)
         self._take_ids(ids)
-        lp = self._logprobs(choice, ids)
+        if self.lp is not None and not isinstance(choice.get("logprobs"), dict):
+            # The usual chunk, without logprobs: LogprobsCursor.take's first case, inline (per chunk).
+            self.lp.pos += len(ids) if isinstance(ids, list) else 0
+            choice["logprobs"] = lp = None
+        else:
+            lp = self._logprobs(choice, ids)
         if event.get("usage"):
             event["usage"] = self._usage(event["usage"])
-        delta = choice.get("delta") if self.p.chat else None
-        piece = ((delta or {}).get("content") if self.p.chat else choice.get("text")) or ""
+        delta = choice.get("delta") if p.chat else None
+        piece = ((delta or {}).get("content") if p.chat else choice.get("text")) or ""
         new = self._unsent(piece)
         finish = choice.get("finish_reason")
-        if self.p.parser is not None:
+        if p.parser is not None:
             return self._parsed(event, choice, delta, new, finish, lp)
         if finish is not None:
-            self.p.finish_reason = finish
+            p.finish_reason = finish
         if not new and finish is None and not _has_items(lp):
             return None
-        if self.p.chat:
-            choice["delta"] = {**(delta or {}), "role": None, "content": new}
+        if p.chat:
+            choice["delta"] = {**_without_role(delta), "content": new}
         else:
             choice["text"] = new
         return event
@@ -249,7 +255,7 @@ class Attempt:
             self.p.finish_reason = finish
         if not parsed and finish is None and not _has_items(lp):
             return None
-        choice["delta"] = {**(delta or {}), "role": None, **parsed.to_openai()}
+        choice["delta"] = {**_without_role(delta), **parsed.to_openai()}
         return event
 
     def _logprobs(self, choice: dict, ids: object) -> dict | None:
@@ -268,18 +274,24 @@ class Attempt:
 
     def _take_ids(self, ids: object) -> None:
         if isinstance(ids, list) and ids:
-            self.token_ids.extend(int(t) for t in ids)
-            if len(self.token_ids) > len(self.p.token_ids):
-                self.p.token_ids = list(self.token_ids)
+            mine = self.token_ids
+            mine.extend(map(int, ids))
+            if mine is not self.p.token_ids and len(mine) > len(self.p.token_ids):
+                # From now on this stream's list is the request's (one list, no copy per chunk:
+                # a copy each chunk made a long answer quadratic); a later attempt starts its own.
+                self.p.token_ids = mine
 
     def _unsent(self, piece: str) -> str:
         """The part of ``piece`` past what the client has (by characters of the output text)."""
         before = self.text_len
-        self.text_len += len(piece)
-        if self.text_len <= self.p.sent_len:
+        self.text_len = end = before + len(piece)
+        p = self.p
+        if end <= p.sent_len:
             return ""
-        new = piece[max(self.p.sent_len - before, 0):]
-        self.p._send(new)
+        new = piece[p.sent_len - before:] if p.sent_len > before else piece
+        if new:  # Progress._send, inline (per chunk)
+            p.parts.append(new)
+            p.sent_len += len(new)
         return new
 
 
@@ -297,3 +309,9 @@ def _first_chunk_template(chat: bool) -> dict:
 def _has_items(lp: dict | None) -> bool:
     """Whether a logprobs object (either shape) holds any entry."""
     return bool(lp) and bool(lp.get("content") or lp.get("tokens"))
+
+
+def _without_role(delta: dict | None) -> dict:
+    """A relayed delta without ``role``: the client's first chunk (sent by this relay) named it, and
+    OpenAI's later deltas leave it out."""
+    return {k: v for k, v in (delta or {}).items() if k != "role"}

@@ -79,12 +79,16 @@ class LoadedTokenizer:
 
 
 def _prompt_chars(body: dict) -> int:
-    """About how many characters tokenizing ``body`` handles (token-id prompts count their ids)."""
-    prompt = body.get("prompt")
-    if prompt is not None:
-        return len(prompt)
-    return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 256
-               for m in body.get("messages") or () if isinstance(m, dict))
+    """About how many characters tokenizing ``body`` handles (token-id prompts count their ids;
+    a body of an unexpected shape counts as long: it goes the careful way)."""
+    try:
+        prompt = body.get("prompt")
+        if prompt is not None:
+            return len(prompt)
+        return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 256
+                   for m in body.get("messages") or () if isinstance(m, dict))
+    except (TypeError, AttributeError):
+        return INLINE_CHARS + 1
 
 
 def _raise(message: str) -> None:
@@ -106,13 +110,30 @@ class PromptTokenizer:
     def loaded(self) -> bool:
         return self._tok is not None
 
+    def inline(self, body: dict) -> bool:
+        """Whether :meth:`token_ids_now` can tokenize ``body`` (the tokenizer is loaded and the
+        prompt short enough for the event loop: :data:`INLINE_CHARS`)."""
+        return self._tok is not None and _prompt_chars(body) <= INLINE_CHARS
+
+    def token_ids_now(self, endpoint: str, body: dict) -> list[int] | None:
+        """:meth:`token_ids` without awaiting, for a body :meth:`inline` accepts (None: it cannot
+        be tokenized here; the servers report the real error)."""
+        assert self._tok is not None, "token_ids_now before the tokenizer loaded (check inline())"
+        try:
+            return self._tok.prompt_ids(endpoint, body)
+        except Exception as err:  # noqa: BLE001 - routing falls back; the server reports real errors
+            log.debug("cannot tokenize at the orchestrator: %s", err)
+            return None
+
     async def token_ids(self, endpoint: str, body: dict) -> list[int] | None:
+        """Token ids of a validated client body (None: no tokenizer yet, or the prompt cannot be
+        tokenized here). A long prompt is tokenized in a worker thread."""
         tok = self._tok or await self._load()
         if tok is None:
             return None
+        if _prompt_chars(body) <= INLINE_CHARS:
+            return self.token_ids_now(endpoint, body)
         try:
-            if _prompt_chars(body) <= INLINE_CHARS:
-                return tok.prompt_ids(endpoint, body)
             # A long prompt takes milliseconds to render and tokenize: off the event loop, so the
             # other requests' streams keep flowing meanwhile.
             return await asyncio.to_thread(tok.prompt_ids, endpoint, body)

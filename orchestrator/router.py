@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,20 +34,36 @@ from pdserve.block_hash import BlockHasher
 from pdserve.config import Topology
 
 from .kv_index import KVIndexes
-from .pools import Pool, Server
+from .pools import Pool, Server, ServerState
 
 MAX_TRACKED_SESSIONS = 65536  # per pool
 
 
-@dataclass(frozen=True)
+@dataclass
 class RouteHint:
     """What a router may know about a request: the chained hashes of its full prompt blocks (a
     tuple, or :class:`orchestrator.prompt_blocks.PromptBlocks`, which hashes a block when it is
-    first read), its prompt length in tokens, and its session-affinity key."""
+    first read), its prompt length in tokens, and its session-affinity key.
+
+    ``pending``: the prompt's blocks are not computed yet (no server held a block when the request
+    was routed, so no pick needed them: :meth:`orchestrator.disagg.DisaggFlow._route_hint`);
+    :meth:`resolve` computes them (once) and fills this same object in, so every holder of the
+    hint sees them. One object per request: do not share it between requests."""
 
     block_hashes: Sequence[bytes] = ()
     num_tokens: int = 0
     session: str | None = None
+    pending: Callable[[], tuple[Sequence[bytes], int] | None] | None = None
+
+    def resolve(self) -> "RouteHint":
+        """Fill in the pending blocks and length (a no-op when none are pending); returns self.
+        A resolver that gives None (the prompt cannot be tokenized here) leaves them empty."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            found = pending()
+            if found is not None:
+                self.block_hashes, self.num_tokens = found
+        return self
 
 
 def block_hashes(token_ids: list[int], block_size: int, model: str = "", dtype: str = "",
@@ -61,6 +77,15 @@ class Router(Protocol):
     needs_tokens: bool
 
     def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None: ...
+
+    def holds_blocks(self, pool: Pool) -> bool:
+        """Whether a pick in ``pool`` may depend on the prompt's blocks now (some ready server's KV
+        index holds a block); False: every pick now is the same whatever the prompt."""
+        ...
+
+
+def _no_blocks(pool: Pool) -> bool:
+    return False
 
 
 def _candidates(pool: Pool, exclude: set[str]) -> list[Server]:
@@ -84,6 +109,7 @@ class RoundRobinRouter:
     """Cycles through the ready servers of a pool."""
 
     needs_tokens = False
+    holds_blocks = staticmethod(_no_blocks)
 
     def __init__(self) -> None:
         self._turns = _Rotation()
@@ -96,12 +122,16 @@ class LeastLoadedRouter:
     """Fewest in-flight requests; round robin among equals so an idle pool still spreads."""
 
     needs_tokens = False
+    holds_blocks = staticmethod(_no_blocks)
 
     def __init__(self) -> None:
         self._turns = _Rotation()
 
     def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
-        candidates = _candidates(pool, exclude)
+        return self.pick_among(_candidates(pool, exclude))
+
+    def pick_among(self, candidates: list[Server]) -> Server | None:
+        """The pick among ``candidates`` (ready servers not excluded); None when it is empty."""
         if not candidates:
             return None
         low = min(s.in_flight for s in candidates)
@@ -112,6 +142,7 @@ class PowerOfTwoRouter:
     """Two random candidates, the less loaded wins (ties: the first drawn). ``seed`` for tests."""
 
     needs_tokens = False
+    holds_blocks = staticmethod(_no_blocks)
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -133,6 +164,9 @@ class SessionAffinityRouter:
         self.needs_tokens = inner.needs_tokens
         self.balance_threshold = balance_threshold
         self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    def holds_blocks(self, pool: Pool) -> bool:
+        return self.inner.holds_blocks(pool)
 
     def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
         session = hint.session if hint is not None else None
@@ -168,12 +202,20 @@ class KVCacheAwareRouter:
         self.min_match_ratio = min_match_ratio
         self._fallback = LeastLoadedRouter()
 
+    def holds_blocks(self, pool: Pool) -> bool:
+        for s in pool.servers:
+            if s.state is ServerState.READY:
+                index = self.indexes.find(s.url)
+                if index is not None and index.synced and index.hashes:
+                    return True
+        return False
+
     def pick(self, pool: Pool, exclude: set[str], hint: RouteHint | None = None) -> Server | None:
         candidates = _candidates(pool, exclude)
         if not candidates:
             return None
-        if hint is None or not hint.block_hashes:
-            return self._fallback.pick(pool, exclude)
+        if hint is None or not hint.block_hashes or not self.holds_blocks(pool):
+            return self._fallback.pick_among(candidates)  # (nothing held: every match would be 0)
         low = min(s.in_flight for s in candidates)
         scored = [(self.indexes.matched_blocks(s.url, hint.block_hashes) or 0, -s.in_flight, s) for s in candidates]
         match, neg_load, best = max(scored, key=lambda t: (t[0], t[1]))
@@ -181,7 +223,7 @@ class KVCacheAwareRouter:
         # below min_match_ratio of the prompt's blocks, load decides.
         if (match == 0 or match < self.min_match_ratio * len(hint.block_hashes)
                 or -neg_load - low > self.balance_threshold):
-            return self._fallback.pick(pool, exclude)
+            return self._fallback.pick_among(candidates)
         return best
 
     def predicted_hit_blocks(self, pool: Pool, hint: RouteHint) -> int:

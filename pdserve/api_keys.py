@@ -17,6 +17,7 @@ import hmac
 import json
 import os
 
+from .auth import bearer_token
 from .protocol import error_body
 
 PROTECTED_PREFIXES = ("/v1/",)
@@ -61,10 +62,11 @@ def refusal(headers: list[tuple[bytes, bytes]], expected: str) -> dict | None:
         if name == b"authorization":
             given = value.decode("latin-1")
             break
-    if given is None or not given.startswith("Bearer ") or not given[7:].strip():
+    token = bearer_token(given)
+    if token is None:
         return error_body("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                           "invalid_request_error", "invalid_api_key")
-    if not hmac.compare_digest(given[7:].strip().encode(), expected.encode()):
+    if not hmac.compare_digest(token.encode(), expected.encode()):
         return error_body("Incorrect API key provided.", "invalid_request_error",
                           "invalid_api_key")
     return None

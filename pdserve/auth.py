@@ -11,6 +11,17 @@ import hmac
 import os
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The credentials of an ``Authorization: Bearer <token>`` header value, or ``None`` when the
+    value is missing, names another scheme or carries no token. The scheme name is matched
+    case-insensitively (RFC 7235 section 2.1: ``bearer`` and ``BEARER`` are ``Bearer``)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def admin_token(env_name: str) -> str | None:
     """The configured token (``None`` when the variable is unset or empty)."""
     return os.environ.get(env_name) or None
@@ -31,8 +42,9 @@ def check_bearer(authorization: str | None, expected: str | None, env_name: str,
         if open_when_unset:
             return None
         return 403, f"the admin API is disabled: set ${env_name} for this process (and send it as a Bearer token)"
-    if not authorization or not authorization.startswith("Bearer "):
+    token = bearer_token(authorization)
+    if token is None:
         return 401, "missing admin token: send 'Authorization: Bearer <token>'"
-    if not hmac.compare_digest(authorization.removeprefix("Bearer ").strip().encode(), expected.encode()):
+    if not hmac.compare_digest(token.encode(), expected.encode()):
         return 403, "wrong admin token"
     return None

@@ -19,6 +19,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializationInfo, ValidationError, field_serializer,
                       field_validator, model_validator)
 
+from pdserve.cpu_bind import check_setting
 from pdserve.devices import DEVICE_PATTERN, resolve_device
 from pdserve.dtypes import DtypeSetting, resolve_dtype
 
@@ -80,6 +81,12 @@ class EngineSettings(StrictModel):
     max_num_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
     max_model_len: int | None = Field(None, ge=2, description="context window (tokens); default from model and cache")
     num_threads: int | None = Field(None, ge=1, le=512, description="torch intra-op threads")
+    cpu_bind: str = Field(
+        "auto", description="pin each worker rank's torch (OpenMP) threads one per core: 'off'; a CPU list "
+        "('0-1', '0,2') of tp_size × num_threads cores, rank r taking the r-th slice; 'auto' = pin to the "
+        "process's affinity mask only where that mask (taskset, a launcher, Slurm) is narrower than the host "
+        "and holds exactly tp_size × num_threads cores, so servers started side by side are never pinned to "
+        "the same core (pdserve.cpu_bind). A list needs executor: mpi")
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per server (KV heads split over ranks)")
     executor: Literal["mpi", "inproc"] = Field(
         "mpi", description="'mpi': engine in MPI-launched worker ranks behind IPC lanes (the lattice); "
@@ -106,6 +113,25 @@ class EngineSettings(StrictModel):
         True, description="on a CPU, run the linear layers on oneDNN with weights reordered once at load "
         "(engine.cpu_linear: 25-45% faster decode steps; fp32 rounding differs from F.linear's in the last bits); "
         "false: F.linear on the plain weights. Ignored off the CPU")
+
+    @field_validator("cpu_bind", mode="before")
+    @classmethod
+    def _cpu_list_text(cls, value: object) -> object:
+        # YAML reads `cpu_bind: 0` as an int; a one-core list is meant
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _cpu_bind_syntax(cls, value: str) -> str:
+        return check_setting(value, 1, None)  # 'auto', 'off' or a CPU list; the counts are checked below
+
+    @model_validator(mode="after")
+    def _cpu_bind(self) -> "EngineSettings":
+        check_setting(self.cpu_bind, self.tp_size, self.num_threads)
+        if self.cpu_bind not in ("auto", "off") and self.executor == "inproc":
+            raise ValueError(f"cpu_bind {self.cpu_bind!r} pins worker ranks' threads; executor 'inproc' has "
+                             "no worker ranks (use 'auto' or 'off')")
+        return self
 
     def merged(self, override: "EngineSettings") -> "EngineSettings":
         """These settings with the keys ``override`` sets (its ``model_fields_set``: a pool's
@@ -321,7 +347,7 @@ class Topology(StrictModel):
 
     @model_validator(mode="after")
     def _pools_agree(self) -> "Topology":
-        ctx, gen = self.pool_engine("ctx"), self.pool_engine("gen")
+        ctx, gen = self._checked_pool_engine("ctx"), self._checked_pool_engine("gen")
         for key in _SHARED_ENGINE_KEYS:
             if getattr(ctx, key) != getattr(gen, key):
                 where = "gen" if key in self.pools.gen.engine.model_fields_set else "ctx"
@@ -334,6 +360,14 @@ class Topology(StrictModel):
                         raise ValueError(f"pools.{role}.servers.{i}.port: 0 (pick a free port) needs launcher.kind "
                                          "local or slurm; an external static member needs its real port")
         return self
+
+    def _checked_pool_engine(self, role: Role) -> EngineSettings:
+        # a pool's overrides are valid alone but may clash with what they inherit (cpu_bind vs num_threads)
+        try:
+            return self.pool_engine(role)
+        except ValidationError as err:
+            raise ValueError(f"pools.{role}.engine (merged with the top-level engine): "
+                             + "; ".join(e["msg"] for e in err.errors())) from None
 
     def pool(self, role: Role) -> PoolSettings:
         return getattr(self.pools, role)

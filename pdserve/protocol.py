@@ -461,7 +461,10 @@ class ChatDelta(BaseModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler) -> dict:
-        return _drop_null_extras(handler(self))
+        data = _drop_null_extras(handler(self))
+        if data.get("role") is None:  # only the first delta names the role, as OpenAI streams it
+            data.pop("role", None)
+        return data
 
 
 class ChatChunkChoice(BaseModel):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 _PAYLOAD = {"json_schema": "json_schema", "regex": "regex", "choice": "choices", "grammar": "grammar"}
@@ -149,23 +149,31 @@ def spec_of(response_format: ResponseFormat | None = None, guided_json: dict[str
     (``engine.structured_output``), still before any engine work.
     """
     found: list[tuple[str, StructuredOutputSpec]] = []
+    field = "response_format"  # the request field being read, named in the error
     try:
         if response_format is not None:
             spec = _from_response_format(response_format)
             if spec is not None:
                 found.append(("response_format", spec))
+        field = "guided_json"
         if guided_json is not None:
             found.append(("guided_json", StructuredOutputSpec(kind="json_schema",
                                                               json_schema=_schema(guided_json, "guided_json"))))
+        field = "guided_regex"
         if guided_regex is not None:
             found.append(("guided_regex", StructuredOutputSpec(kind="regex", regex=guided_regex)))
+        field = "guided_choice"
         if guided_choice is not None:
             found.append(("guided_choice", StructuredOutputSpec(kind="choice", choices=tuple(guided_choice))))
+        field = "guided_grammar"
         if guided_grammar is not None:
             found.append(("guided_grammar", StructuredOutputSpec(kind="grammar", grammar=guided_grammar)))
+        field = "structured_outputs"
         if structured_outputs is not None:
             found += _from_structured_outputs(structured_outputs)
-    except ValueError as err:  # pydantic's ValidationError is a ValueError
+    except ValidationError as err:  # a client's error: name its field, not pydantic's internals
+        raise ValueError(f"{field}: " + "; ".join(e["msg"] for e in err.errors(include_url=False))) from None
+    except ValueError as err:
         raise ValueError(str(err)) from None
     if len(found) > 1:
         raise ValueError(f"one structured-output constraint per request, got {', '.join(n for n, _ in found)}")

@@ -27,3 +27,14 @@ def test_usage_chunk_bytes_equal_pydantic(chat):
     usage = Usage(prompt_tokens=12, completion_tokens=30, total_tokens=42)
     want = sse_event(chunk(chat, "cmpl-1", 5, "m", None, None, usage=usage))
     assert ChunkEncoder(chat, "cmpl-1", 5, "m").usage_event(usage) == want
+
+
+@pytest.mark.parametrize("role", [True, False])
+def test_chat_delta_names_the_role_only_in_the_first_chunk(role):
+    """OpenAI streams ``"role": "assistant"`` in the first delta and leaves ``role`` out after it
+    (no ``"role": null``, which strictly typed clients may reject)."""
+    raw = ChunkEncoder(True, "chatcmpl-1", 1, "m").event("hi", None, role=role)
+    delta = json.loads(raw.decode().removeprefix("data: "))["choices"][0]["delta"]
+    assert delta == ({"role": "assistant", "content": "hi"} if role else {"content": "hi"})
+    tool = ChunkEncoder(True, "chatcmpl-1", 1, "m").event(None, None, role=role, delta={"tool_calls": []})
+    assert ("role" in json.loads(tool.decode().removeprefix("data: "))["choices"][0]["delta"]) is role

@@ -45,7 +45,11 @@ def test_tokenize_chat_counts_what_the_chat_route_counts(threaded_cluster, where
 def test_tokenize_errors(threaded_cluster, where):
     url = url_of(threaded_cluster, where)
     r = httpx.post(url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10)
-    assert r.status_code == 404 and "model_not_found" in (r.json()["error"]["code"], r.json()["error"]["type"])
+    err = r.json()["error"]  # OpenAI's body: the string code, type invalid_request_error
+    assert r.status_code == 404 and (err["code"], err["type"]) == ("model_not_found", "invalid_request_error")
+    r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1}, timeout=10)
+    err = r.json()["error"]
+    assert r.status_code == 404 and (err["code"], err["type"]) == ("model_not_found", "invalid_request_error")
     r = httpx.post(url + "/tokenize", json={"prompt": "x", "bogus": 1}, timeout=10)
     assert r.status_code == 422 and "bogus" in r.json()["error"]["message"]
     r = httpx.post(url + "/detokenize", json={"tokens": [10**9]}, timeout=10)
@@ -59,7 +63,7 @@ def test_model_card_and_version(threaded_cluster, where):
     assert card.status_code == 200 and card.json()["id"] == MODEL and card.json()["max_model_len"] > 0
     missing = httpx.get(f"{url}/v1/models/other", timeout=10)
     err = missing.json()["error"]
-    assert missing.status_code == 404 and "model_not_found" in (err["code"], err["type"])
+    assert missing.status_code == 404 and (err["code"], err["type"]) == ("model_not_found", "invalid_request_error")
     assert httpx.get(url + "/version", timeout=10).json()["version"]
 
 

@@ -53,6 +53,15 @@ def test_curl_line_names_model_and_url():
     line = curl_line(load_topology(LOCAL), "http://127.0.0.1:8000")
     assert line.startswith("curl http://127.0.0.1:8000/v1/chat/completions")
     assert '"model": "SmolLM2-135M-Instruct"' in line
+    assert "Authorization" not in line  # no API key configured
+
+
+def test_curl_line_sends_the_api_key_when_one_is_configured():
+    base = load_topology(LOCAL)
+    orch = base.orchestrator.model_copy(update={"api_key_env": "MY_PDSERVE_KEY"})
+    topology = base.model_copy(update={"orchestrator": orch})
+    line = curl_line(topology, "http://127.0.0.1:8000")
+    assert '-H "Authorization: Bearer $MY_PDSERVE_KEY"' in line  # the shell expands it, the secret is not printed
 
 
 @pytest.mark.parametrize("flag", [False, True])
@@ -82,3 +91,23 @@ def test_up_writes_logs_where_the_file_or_the_flag_says(tmp_path, monkeypatch, f
     want = flag_dir if flag else file_dir
     assert seen["log_dir"] == want
     assert (want / "admin_token").is_file()
+
+
+@pytest.mark.parametrize("where", ["orchestrator", "ctx", "gen"])
+def test_unset_api_key_variable_is_a_config_error_exit_2(tmp_path, capsys, monkeypatch, where):
+    """An ``api_key_env`` naming an unset variable: a one-line error and status 2 (bad configuration)
+    from the orchestrator and from each server, before anything starts; not a traceback."""
+    import executor.server_main
+    import orchestrator.__main__
+
+    monkeypatch.delenv("T_UNSET_KEY_VAR", raising=False)
+    topo = yaml.safe_load(LOCAL.read_text())
+    section = topo["orchestrator"] if where == "orchestrator" else topo["pools"][where]
+    section["api_key_env"] = "T_UNSET_KEY_VAR"
+    path = tmp_path / "keyed.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    assert orchestrator.__main__.main(["--config", str(path)]) == 2
+    assert "T_UNSET_KEY_VAR" in capsys.readouterr().err
+    if where != "orchestrator":
+        assert executor.server_main.main(where, ["--config", str(path), "--index", "0"]) == 2
+        assert "T_UNSET_KEY_VAR" in capsys.readouterr().err

@@ -58,6 +58,15 @@ def test_malformed_or_conflicting_fields_are_refused(fields, match):
         chat(**fields)
 
 
+@pytest.mark.parametrize("fields, field", [({"guided_choice": []}, "guided_choice"), ({"guided_regex": ""}, "guided_regex"),
+                                           ({"structured_outputs": {"choice": []}}, "structured_outputs")])
+def test_an_empty_payload_names_its_field_without_pydantic_internals(fields, field):
+    with pytest.raises(ValidationError) as exc:
+        chat(**fields)
+    message = str(exc.value.errors()[0]["msg"])
+    assert f"{field}: " in message and "pydantic" not in message and "input_value" not in message, message
+
+
 def test_spec_payload_must_match_its_kind():
     with pytest.raises(ValidationError, match="needs regex"):
         StructuredOutputSpec(kind="regex")

@@ -1,0 +1,164 @@
+"""Experiment: two checkouts' orchestrators side by side on the same fake workers (an A/B of a change).
+
+    .venv/bin/python bench/orchestrator_ab.py --base /path/to/other/checkout \\
+        [--routers round_robin,kv_cache_aware] [--styles context_first,generation_first] [--repeats 4]
+
+The setup of ``bench/orchestrator_overhead.py`` (fake workers A and B on core 0, routers on core 1,
+wrk on core 0), with two orchestrators per router and style: one run from ``--base`` (its code,
+its ``python -m orchestrator``) and one from this checkout, both in front of the same two fake
+workers. Runs alternate base / this checkout within each repeat, so both see the same minutes of
+a machine that other jobs may share. Per orchestrator and repeat:
+
+- **c1**: ``--requests`` streamed 16-token completions at concurrency 1, a new 32-word prompt
+  each (what the overhead bench's latency runs send; ``kv_cache_aware`` tokenizes every one),
+  through one keep-alive connection of this process: client-side TTFT and E2EL medians (ms) and
+  the orchestrator's CPU per request (µs: its threads' on-CPU time, ``/proc/PID/task/*/schedstat``,
+  over the run; at concurrency 1 that includes a wake-up of the event loop per socket event);
+- **wrk**: ``--wrk-seconds`` of wrk (1 thread, 32 connections, one fixed prompt): req/s and CPU µs
+  per request.
+
+Prints medians over the repeats, per target, with the 1-min load average at start and end: CPU
+per request is the number a loaded machine changes least; latencies under load are rough.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import orchestrator_overhead as oo  # noqa: E402
+import yaml  # noqa: E402
+from _harness import PY, RESULTS, Procs, free_port, loadavg, median, say  # noqa: E402
+
+WORDS = "alpha beta gamma delta omega sigma river stone cloud paper seven green quick brown fox".split()
+
+
+def cpu_s(pid: int) -> float:
+    """On-CPU seconds of every thread of ``pid`` so far (``/proc/PID/task/*/schedstat``: nanoseconds,
+    finer than the clock ticks of ``/proc/PID/stat``, so short runs still resolve µs per request)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that exited while we looked
+    return total / 1e9
+
+
+def c1_run(url: str, pid: int, n: int, seed: int) -> dict:
+    """``n`` sequential streamed completions over one raw keep-alive connection (bounded: 10 s
+    per request); TTFT/E2EL medians (ms, first SSE byte / last byte) and the router's CPU µs/req."""
+    host, port = url.removeprefix("http://").split(":")
+    rng = random.Random(seed)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ttft, e2el = [], []
+    cpu0 = cpu_s(pid)
+    try:
+        for _ in range(n):
+            body = json.dumps({"model": "fake-model", "prompt": " ".join(rng.choice(WORDS) for _ in range(32)),
+                               "max_tokens": 16, "stream": True}).encode()
+            req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body)) + body
+            t0 = time.perf_counter()
+            sock.sendall(req)
+            buf, first = b"", None
+            while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
+                piece = sock.recv(65536)
+                if not piece:
+                    raise RuntimeError(f"{url} closed the connection")
+                buf += piece
+                if first is None and b"data: " in buf:
+                    first = time.perf_counter()
+            done = time.perf_counter()
+            if b" 200 " not in buf[:16] or b"[DONE]" not in buf:
+                raise RuntimeError(f"{url} answered {buf[:300]!r}")
+            ttft.append(1e3 * ((first or done) - t0))
+            e2el.append(1e3 * (done - t0))
+    finally:
+        sock.close()
+    return {"ttft_ms": median(ttft), "e2el_ms": median(e2el), "cpu_us": 1e6 * (cpu_s(pid) - cpu0) / n}
+
+
+def start_workers(procs: Procs, tok_dir: Path) -> tuple[int, int]:
+    """Fake workers A (prefill) and B (decode) on core 0, as the overhead bench starts them; their ports."""
+    if not (tok_dir / "tokenizer.json").exists():
+        raise SystemExit(f"no tokenizer in {tok_dir}: run bench/orchestrator_overhead.py once (it writes it)")
+    ports = free_port(), free_port()
+    for name, role, port in (("worker_a", "prefill", ports[0]), ("worker_b", "decode", ports[1])):
+        procs.start(name, [PY, str(oo.ROOT / "bench" / "fake_worker.py"), "--port", str(port), "--role", role,
+                           "--tokenizer-dir", str(tok_dir)], cores="0")
+        procs.wait_http(name, f"http://127.0.0.1:{port}/health", 30)
+    return ports
+
+
+def start_pair(procs: Procs, base: Path, router: str, style: str, pa: int, pb: int, tok_dir: Path) -> dict[str, tuple]:
+    """Two orchestrators (``base`` and this checkout) for one router and style: name -> (url, pid)."""
+    out = {}
+    for side, root in (("base", base), ("this", oo.ROOT)):
+        port = free_port()
+        topo = RESULTS / "overhead" / f"ab-{side}-{router}-{style}.yaml"
+        topo.write_text(yaml.safe_dump({
+            "model": {"path": str(tok_dir), "name": "fake-model"},
+            "orchestrator": {"host": "127.0.0.1", "port": port, "router": router, "health_interval_s": 1.0,
+                             "max_inflight_requests": 4096, "schedule_style": style},
+            "pools": {"ctx": {"servers": [{"host": "127.0.0.1", "port": pa}]},
+                      "gen": {"servers": [{"host": "127.0.0.1", "port": pb}]}}}, sort_keys=False))
+        name = f"{side} {router} {style}"
+        # Run from the checkout's root: ``-m orchestrator`` imports the package found there first.
+        cmd = f"cd {shlex.quote(str(root))} && exec taskset -c 1 {shlex.quote(PY)} -m orchestrator --config " \
+              f"{shlex.quote(str(topo))} --log-level warning"
+        proc = procs.start(name, ["sh", "-c", cmd])
+        out[name] = (f"http://127.0.0.1:{port}", proc.pid)
+        procs.wait_http(name, out[name][0] + "/health", 60)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help="root of the other checkout (its orchestrator/)")
+    p.add_argument("--routers", default="round_robin,kv_cache_aware")
+    p.add_argument("--styles", default="context_first,generation_first")
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--wrk-seconds", type=int, default=4)
+    a = p.parse_args()
+    ns = argparse.Namespace(conc=32, wrk_threads=1, wrk_seconds=a.wrk_seconds)
+    tok_dir = RESULTS / "overhead" / "tokenizer"
+    load0 = loadavg()
+    results: dict[str, list[dict]] = {}
+    with Procs(RESULTS / "overhead" / "logs") as procs:
+        pa, pb = start_workers(procs, tok_dir)
+        targets: dict[str, tuple] = {}
+        for style in a.styles.split(","):
+            for router in a.routers.split(","):
+                targets.update(start_pair(procs, a.base.resolve(), router, style, pa, pb, tok_dir))
+        for url, pid in targets.values():
+            c1_run(url, pid, 20, 99)  # warm up (kv_cache_aware loads its tokenizer on the first request)
+        for rep in range(a.repeats):
+            for name, (url, pid) in targets.items():
+                row = c1_run(url, pid, a.requests, rep)
+                w = oo.run_wrk(url, ns, rep, pid)
+                row.update(wrk_rps=w["request_throughput"], wrk_cpu_us=w["cpu_us_per_request"])
+                results.setdefault(name, []).append(row)
+            say(f"repeat {rep} done, 1-min load average {loadavg():.1f}")
+    say(f"1-min load average {load0:.1f} -> {loadavg():.1f}; medians of {a.repeats} repeats")
+    print("| orchestrator | c1 TTFT p50 ms | c1 E2EL p50 ms | c1 CPU µs/req | wrk req/s | wrk CPU µs/req |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, rows in results.items():
+        m = {k: median([r[k] for r in rows]) for k in rows[0]}
+        print(f"| {name} | {m['ttft_ms']:.2f} | {m['e2el_ms']:.2f} | {m['cpu_us']:.0f} | {m['wrk_rps']:.0f} | "
+              f"{m['wrk_cpu_us']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
