@@ -6,7 +6,8 @@ import warnings
 
 import torch
 
-from engine import EngineRequest, SamplingParams
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from pdserve.config import EngineSettings
 

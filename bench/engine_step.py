@@ -25,7 +25,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning OpenMP threads
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import EngineRequest, LLMEngine, SamplingParams  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.request import EngineRequest  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.config import EngineSettings  # noqa: E402
 
 

@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import EngineRequest, LLMEngine, SamplingParams  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.request import EngineRequest  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.grammar_mask import GrammarRows, allowed_tokens, apply_grammar, fill_bitmask  # noqa: E402
 from engine.structured_output import GrammarCompiler  # noqa: E402
 from pdserve.config import EngineSettings  # noqa: E402

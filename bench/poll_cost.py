@@ -123,7 +123,9 @@ class Puller:
 
 
 def make_engine(model: str, batch: int, threads: int):
-    from engine import EngineRequest, LLMEngine, SamplingParams
+    from engine.llm_engine import LLMEngine
+    from engine.request import EngineRequest
+    from engine.sampling_params import SamplingParams
     from pdserve.config import EngineSettings
 
     if model == "tiny":

@@ -69,7 +69,7 @@ def bare_child(a: argparse.Namespace) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's ranks run (executor.proxy)
     from engine_step import decode_step_ms
 
-    from engine import LLMEngine
+    from engine.llm_engine import LLMEngine
     from pdserve.config import EngineSettings
 
     engine = LLMEngine(EngineSettings(dtype=a.dtype, device="cpu", num_threads=a.threads, num_kv_blocks=512,

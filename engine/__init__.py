@@ -1,12 +1,8 @@
-"""pdserve engine: paged-KV Llama inference with continuous batching and P/D hand-off."""
-from engine.errors import RequestValidationError
-from engine.llm_engine import LLMEngine
-from engine.model_config import ModelConfig
-from engine.request import EngineRequest, KVPull, Phase, RequestOutput, StepResult
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.tp import TPContext, init_tp, kv_head_range
+"""pdserve engine: paged-KV Llama inference with continuous batching and P/D hand-off.
 
-__all__ = ["EngineRequest", "KVPull", "LLMEngine", "ModelConfig", "Phase",
-           "RequestOutput", "RequestValidationError", "SamplingParams", "StepResult",
-           "TPContext", "Tokenizer", "init_tp", "kv_head_range"]
+Import what you use from its submodule (``from engine.llm_engine import LLMEngine``,
+``from engine.request import EngineRequest``): this package imports nothing, so the processes that
+never run the model (the HTTP frontends) can import the engine's torch-free types (``engine.errors``,
+``engine.request``, ``engine.logprobs``, ``engine.sampling_params``) without loading torch
+(tests/executor/test_import_graph.py holds that).
+"""

@@ -1,4 +1,5 @@
-"""Log-probabilities of chosen tokens and their top alternatives, batched (one host transfer).
+"""One position's log-probability record (:class:`TokenLogprob`): a torch-free type shared by the
+engine, the frontends and the response formats (computed in :mod:`engine.logprob_math`).
 
 From the raw distribution: ``log_softmax`` of the model's float32 logits before any logits
 processor, temperature or filter (vLLM's default ``logprobs_mode``, and what HF's
@@ -7,8 +8,6 @@ processor, temperature or filter (vLLM's default ``logprobs_mode``, and what HF'
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -19,21 +18,3 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
-    """logits [R, V] float32 (any device), token_ids [R] int64: row r's token; ks[r] >= 0 top
-    alternatives for row r. Returns R :class:`TokenLogprob` (an empty list for R == 0)."""
-    if logits.shape[0] == 0:
-        return []
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1).tolist()
-    kmax = max(ks)
-    top_v: list[list[float]] = [[] for _ in ks]
-    top_i: list[list[int]] = [[] for _ in ks]
-    if kmax > 0:
-        values, ids = torch.topk(lp, kmax, dim=-1, sorted=True)
-        top_v, top_i = values.tolist(), ids.tolist()
-    ids_host = token_ids.tolist()
-    return [TokenLogprob(ids_host[r], chosen[r], tuple(zip(top_i[r][:k], top_v[r][:k])))
-            for r, k in enumerate(ks)]

@@ -10,7 +10,8 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.attention_meta import build_metadata
 from engine.grammar_mask import grammar_rows
-from engine.logprobs import TokenLogprob, token_logprobs
+from engine.logprob_math import token_logprobs
+from engine.logprobs import TokenLogprob
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.sequence import Sequence

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # several times slower (SmolLM2 decode: 64 s vs 8 s for the same run). Must precede `import torch`.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine import LLMEngine  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_files import resolve_model_path  # noqa: E402
 from engine_testutil import cpu_settings  # noqa: E402
 

@@ -5,7 +5,9 @@ import inspect
 
 import torch
 
-from engine import EngineRequest, LLMEngine, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
 from pdserve.config import EngineSettings
 
 

@@ -1,7 +1,8 @@
 """n > 1 in the engine: one prefill, n decodes sharing the prompt's blocks (engine.choices)."""
 import pytest
 
-from engine import EngineRequest, Phase, SamplingParams
+from engine.request import EngineRequest, Phase
+from engine.sampling_params import SamplingParams
 from engine.errors import RequestValidationError
 
 from engine_testutil import greedy, run_all

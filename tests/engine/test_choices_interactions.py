@@ -5,7 +5,8 @@ import json
 import jsonschema
 import pytest
 
-from engine import EngineRequest, Phase, SamplingParams
+from engine.request import EngineRequest, Phase
+from engine.sampling_params import SamplingParams
 from engine.errors import RequestValidationError
 from pdserve.structured_output import StructuredOutputSpec
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine import EngineRequest
+from engine.request import EngineRequest
 from engine.cpu_linear import pack_weight, packing_available
 from engine.layers import linear
 from tests.engine.engine_testutil import greedy, run_all

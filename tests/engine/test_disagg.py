@@ -1,7 +1,7 @@
 """CONTEXT_ONLY on one engine + GENERATION_ONLY on another == colocated (greedy)."""
 import pytest
 
-from engine import EngineRequest, Phase
+from engine.request import EngineRequest, Phase
 
 from engine_testutil import greedy, run_all
 

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
 
 from engine_testutil import cpu_settings, greedy
 from engine_tp_testutil import run_group

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import engine.gemma3 as gemma3_module
-from engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
 from engine.gguf_file import load_gguf
 from engine.layers import swiglu
 from engine.model_files import GEMMA3_270M_ALIAS, resolve_model_path

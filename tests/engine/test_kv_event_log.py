@@ -105,7 +105,7 @@ def test_wire_round_trip_and_refusals():
 def test_a_real_engine_under_memory_pressure_announces_exactly_what_it_holds(tiny_engine_factory):
     """Chat-like traffic on a 12-block cache (block size 4) evicts; replaying every batch taken after
     each step gives exactly the engine's held hashes, and each prompt's blocks are announced."""
-    from engine import EngineRequest
+    from engine.request import EngineRequest
     from engine_testutil import greedy
 
     engine = tiny_engine_factory(num_kv_blocks=12, block_size=4)

@@ -3,7 +3,8 @@
 and the target computes exactly one token before it samples on (no recompute of the moved context)."""
 import pytest
 
-from engine import EngineRequest, Phase, SamplingParams
+from engine.request import EngineRequest, Phase
+from engine.sampling_params import SamplingParams
 from engine.errors import RequestValidationError
 
 from engine_testutil import greedy, run_all

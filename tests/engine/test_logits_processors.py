@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.logits_processors import process_logits
-from engine.logprobs import token_logprobs
+from engine.logprob_math import token_logprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 

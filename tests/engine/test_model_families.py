@@ -6,7 +6,8 @@ negative control per feature: the engine with that feature switched off must NOT
 import pytest
 import torch
 
-from engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
 from engine.layers import RotaryTable
 
 from engine_testutil import cpu_settings, greedy, run_all

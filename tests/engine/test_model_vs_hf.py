@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine import EngineRequest, SamplingParams
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
 
 from engine_testutil import PROMPTS, greedy, hf_greedy, run_all
 

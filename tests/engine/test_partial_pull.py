@@ -2,7 +2,7 @@
 engine without a connector."""
 import pytest
 
-from engine import EngineRequest, Phase
+from engine.request import EngineRequest, Phase
 from engine.errors import RequestValidationError
 
 from engine_testutil import greedy, run_all

@@ -3,7 +3,7 @@ shared blocks never written, eviction under memory pressure never serves stale K
 import pytest
 import torch
 
-from engine import EngineRequest, Phase
+from engine.request import EngineRequest, Phase
 
 from engine_testutil import greedy, run_all
 

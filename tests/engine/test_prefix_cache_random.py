@@ -7,7 +7,7 @@ never written); every answer must equal the one computed alone with caching off.
 import random
 from collections import Counter
 
-from engine import EngineRequest, Phase
+from engine.request import EngineRequest, Phase
 
 from engine_testutil import greedy, run_all
 

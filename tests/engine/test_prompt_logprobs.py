@@ -3,7 +3,7 @@ chunked prefill, on a prefix-cache hit (the request skips the cache) and after p
 import pytest
 import torch
 
-from engine import EngineRequest
+from engine.request import EngineRequest
 
 from engine_testutil import greedy, run_all
 

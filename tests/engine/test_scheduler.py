@@ -1,7 +1,8 @@
 """Continuous batching must not change greedy results; budgets and preemption hold."""
 import time
 
-from engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
 from engine.model_runner import ModelRunner
 from pdserve.config import EngineSettings
 

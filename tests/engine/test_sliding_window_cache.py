@@ -3,7 +3,8 @@ the resume point, so it survives the eviction of the prompt's first blocks (whic
 NULL_BLOCK); CONTEXT_ONLY hand-offs keep the full-attention rule (their whole table moves)."""
 import pytest
 
-from engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
 from engine.block_manager import NULL_BLOCK, BlockManager
 
 from engine_testutil import cpu_settings, greedy, run_all

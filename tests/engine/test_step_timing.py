@@ -5,7 +5,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineRequest, SamplingParams
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
 from engine.llm_engine import STEP_STAGES
 from engine.step_timing import StageClock, step_kind
 from executor.metrics import RoleStatsCollector

@@ -1,7 +1,8 @@
 """Stop conditions, seeded sampling (reproducible, split-invariant), aborts."""
 import pytest
 
-from engine import EngineRequest, Phase, SamplingParams
+from engine.request import EngineRequest, Phase
+from engine.sampling_params import SamplingParams
 
 from engine_testutil import PROMPTS, greedy, run_all
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest
 from engine.tiny import make_tiny_llama
 from engine.tp import TPContext, kv_head_range, split_range
 

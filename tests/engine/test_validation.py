@@ -3,7 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import (EngineRequest, LLMEngine, Phase, RequestValidationError, SamplingParams)
+from engine.errors import RequestValidationError
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest, Phase
+from engine.sampling_params import SamplingParams
 from engine.model_files import resolve_model_path
 from pdserve.config import EngineSettings
 

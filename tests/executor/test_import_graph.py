@@ -108,3 +108,21 @@ def test_lattice_modules_import_on_their_own():
                      for m in modules)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# Entry modules of the processes that never run the model (frontend 0 before its ranks are up, the
+# attached frontends, the orchestrator) and the modules a frontend imports when it builds its state.
+FRONTEND_SIDE = ["executor.frontend_main", "executor.server_main", "ctx_worker.__main__", "gen_worker.__main__",
+                 "executor.frontends", "executor.http_server", "executor.lifecycle", "orchestrator.__main__"]
+# torch and the engine proper belong to the ranks; transformers is the frontend's (the tokenizer),
+# loaded when the tokenizer loads, not when the module is imported.
+RANK_SIDE = ("torch", "transformers", "engine.llm_engine", "engine.model_runner")
+
+
+def test_frontend_side_modules_import_without_torch_or_the_engine():
+    code = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
+            f"print(','.join(m for m in {RANK_SIDE!r} if m in sys.modules))")
+    for module in FRONTEND_SIDE:  # each in a fresh interpreter: a module imported by an earlier one would hide it
+        r = subprocess.run([sys.executable, "-c", code, module], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.strip() == "", f"importing {module} loads {r.stdout.strip()}"
