@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -42,6 +42,17 @@ class _LabelSet:
         if len(args) != len(self.labelnames):
             raise ValueError(f"{self.name}: {len(self.labelnames)} label values needed, got {len(args)}")
         return tuple(str(a) for a in args)
+
+    def child(self, args: tuple, kwargs: dict, make: Callable[[], object]) -> object:
+        """The child of these label values, made by ``make()`` on first use. Raises ValueError on
+        wrong labels."""
+        child = self.children.get(args) if not kwargs else None  # the usual call: label values as str
+        if child is None:
+            key = self.key(args, kwargs)
+            child = self.children.get(key)
+            if child is None:
+                child = self.children[key] = make()
+        return child
 
 
 class CounterChild:
@@ -72,14 +83,7 @@ class LoopCounter:
 
     def labels(self, *args: str, **kwargs: str) -> CounterChild:
         """The series of these label values (created at 0 on first use). Raises ValueError on wrong labels."""
-        children = self._labels.children
-        child = children.get(args) if not kwargs else None  # the usual call: label values as str
-        if child is None:
-            key = self._labels.key(args, kwargs)
-            child = children.get(key)
-            if child is None:
-                child = children[key] = CounterChild()
-        return child  # type: ignore[return-value]
+        return self._labels.child(args, kwargs, CounterChild)  # type: ignore[return-value]
 
     def inc(self, amount: float = 1.0) -> None:
         """Add to an unlabelled counter. Raises ValueError when it has labels."""
@@ -129,14 +133,7 @@ class LoopHistogram:
 
     def labels(self, *args: str, **kwargs: str) -> HistogramChild:
         """The series of these label values (empty on first use). Raises ValueError on wrong labels."""
-        children = self._labels.children
-        child = children.get(args) if not kwargs else None  # the usual call: label values as str
-        if child is None:
-            key = self._labels.key(args, kwargs)
-            child = children.get(key)
-            if child is None:
-                child = children[key] = HistogramChild(self._bounds)
-        return child  # type: ignore[return-value]
+        return self._labels.child(args, kwargs, lambda: HistogramChild(self._bounds))  # type: ignore[return-value]
 
     def observe(self, value: float, times: int = 1) -> None:
         """Record into an unlabelled histogram. Raises ValueError when it has labels."""
