@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-from pdserve.cpu_bind import RankCores, fmt, omp_env, online_cpus, plan_rank
+from pdserve.cpu_bind import RankCores, fmt, omp_env, online_cpus, parse_cpu_list, plan_rank
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ def _run_team(threads: int) -> None:
 
 def thread_masks(pid: int | str = "self") -> dict[int, tuple[int, ...]]:
     """Each thread id of ``pid`` → the cores it may run on (``Cpus_allowed_list`` in /proc)."""
-    from pdserve.cpu_bind import parse_cpu_list
-
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:

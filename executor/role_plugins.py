@@ -25,6 +25,11 @@ def worker_plugin(role: str) -> str:
     return ROLE_PLUGINS[role][0]
 
 
+def frontend_plugin(role: str) -> str:
+    """Import path of the frontend side of ``role`` ("ctx" or "gen"). Raises KeyError."""
+    return ROLE_PLUGINS[role][1]
+
+
 def load_plugin(path: str) -> Callable:
     """Import ``module:attribute``. Raises ImportError / AttributeError."""
     module, _, attr = path.partition(":")

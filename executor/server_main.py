@@ -72,7 +72,8 @@ def build_inproc_state(cfg: ServerConfig) -> ServerState:
     from executor.inproc_executor import InProcessExecutor
     from executor.kv_role import RankShards
     from executor.messages import EngineDead
-    from executor.server_setup import kv_layout, load_plugin, make_engine, make_state, worker_plugin
+    from executor.role_plugins import load_plugin, worker_plugin
+    from executor.server_setup import kv_layout, make_engine, make_state
     from executor.step_guard import guard_engine
 
     if cfg.engine.tp_size > 1:

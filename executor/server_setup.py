@@ -1,7 +1,7 @@
 """What every process of one server builds from its :class:`ServerConfig` (a leaf of the executor).
 
-The role plugins table (:mod:`executor.role_plugins`, re-exported), the engine of one rank (built
-from the server's engine settings as they are), the KV layout of each TP rank, and the HTTP state of one frontend. Frontend 0
+The engine of one rank (built from the server's engine settings as they are), the KV layout of
+each TP rank, and the HTTP state of one frontend (its role plugin from :mod:`executor.role_plugins`). Frontend 0
 (``executor.server_main``), attached frontends (``executor.frontends``), the proxy and the worker
 ranks (``executor.worker_main``) all import these from here, so none of them imports another's
 entry point (no import circle; ``tests/executor/test_import_graph.py`` checks).
@@ -13,7 +13,7 @@ from engine.structured_output import GrammarCompiler
 from executor.http_server import ServerState
 from executor.metrics import RoleStatsCollector, ServerMetrics
 from executor.phases import ColocatedPhase
-from executor.role_plugins import ROLE_PLUGINS, load_plugin, worker_plugin  # noqa: F401 (re-exported)
+from executor.role_plugins import frontend_plugin, load_plugin
 from pdserve.config import ServerConfig
 from pdserve.protocol import KVLayoutModel
 
@@ -60,7 +60,7 @@ def make_state(cfg: ServerConfig, client, layout: KVLayoutModel, vocab_size: int
                         metrics=metrics, kv_layout=layout, kv_backend=backend, vocab_size=vocab_size,
                         kv_layouts=list(layouts or [layout]),
                         grammars=GrammarCompiler(client.tokenizer, vocab_size, client.tokenizer.eos_token_ids))
-    load_plugin(ROLE_PLUGINS[cfg.role][1])(state)
+    load_plugin(frontend_plugin(cfg.role))(state)
     state.routers.append(admin_router(state))  # every frontend: /tokenizer, /admin/drain, /reset_prefix_cache
     state.routers.append(tokenize_router(state))  # /tokenize, /detokenize, /v1/models/{id}, /version
     if client.kv_events is not None:  # every frontend: GET /kv_events (stream), /kv_events/snapshot

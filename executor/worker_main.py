@@ -81,7 +81,8 @@ def init_tensor_parallel(comm, rank: int, size: int, timeout_s: float, device: s
 
 def build_worker(spec: dict, rank: int, size: int, tp, ipc: Path):
     """Load this rank's engine shard; rank 0 also builds the worker role. Returns (engine, role, info)."""
-    from executor.server_setup import kv_layout, load_plugin, make_engine
+    from executor.role_plugins import load_plugin
+    from executor.server_setup import kv_layout, make_engine
     from pdserve.config import ServerConfig
 
     if os.environ.get(CRASH_ENV) == str(rank):

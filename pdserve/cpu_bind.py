@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 MODES = ("auto", "off")
@@ -104,17 +105,8 @@ def plan_rank(setting: str, num_threads: int | None, tp_size: int, rank: int,
 
 def fmt(cores) -> str:
     """``(0, 1, 2, 5)`` → ``"0-2,5"``."""
-    out, run = [], []
-    for c in sorted(cores):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [c]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(out)
+    runs = [[c for _, c in group] for _, group in groupby(enumerate(sorted(set(cores))), lambda ic: ic[1] - ic[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def omp_env(cores: tuple[int, ...]) -> dict[str, str]:
