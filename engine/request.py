@@ -36,6 +36,10 @@ class EngineRequest:
     GENERATION_ONLY with n > 1: first_token_ids (and first_token_logprobs) hold one token per
     choice, in choice order (what the ctx server sampled for each), not consecutive tokens. An
     n > 1 request is neither ``movable`` nor moved (``kv_num_tokens``): engine.validation refuses both.
+    choice_index: an n = 1 request that continues choice ``choice_index`` of an n > 1 request (a
+    migrated or moved choice): it samples with that choice index (engine.sampler: noise is a function
+    of seed, choice and position), so it draws what that choice would have; its outputs carry it as
+    ``index``. 0 for every other request; engine.validation refuses it with n > 1.
     """
 
     request_id: str
@@ -52,6 +56,7 @@ class EngineRequest:
     n: int = 1
     movable: bool = False
     kv_num_tokens: int | None = None
+    choice_index: int = 0
 
 
 @dataclass

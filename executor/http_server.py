@@ -55,6 +55,7 @@ from pdserve.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    DisaggregatedParams,
     KVLayoutModel,
     ModelCard,
     ModelList,
@@ -273,6 +274,8 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     if disagg is not None and disagg.movable and not body.stream:
         raise ApiError(400, "only a streamed request can be movable (its stream ends with the moved event)",
                        param="disaggregated_params")
+    if disagg is not None and disagg.choice_index and body.n > 1:
+        raise ApiError(400, "choice_index continues one choice: it needs n = 1", param="n")
     if disagg is not None and disagg.movable and body.n > 1:
         raise ApiError(400, "an n > 1 request cannot be movable (a drain waits for it)", param="n")
     try:
@@ -293,7 +296,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     shape = response_shape(body, prompt, state.client.tokenizer)
     if chat and not (disagg and disagg.raw_output):  # else the caller parses the text it assembles
         parsers = {i: output_parser(tools, cfg.model.tool_call_parser, cfg.model.reasoning_parser)
-                   for i in range(body.n)}  # one per choice: each holds its own parse state
+                   for i in choice_indexes(body.n, disagg)}  # one per choice: each holds its own parse state
         shape.parsers = {i: p for i, p in parsers.items() if p is not None}
     run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer), shape)
     first = await run.first_unless_disconnected(request)
@@ -304,6 +307,12 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         token_ids = bool(disagg and disagg.stream_token_ids)
         return StreamingResponse(run.sse(first, include_usage, token_ids, answer), media_type="text/event-stream")
     return await run.collect(first, request, answer)
+
+
+def choice_indexes(n: int, disagg: DisaggregatedParams | None) -> range:
+    """The choice indexes a request's outputs carry: 0..n-1, or its ``choice_index`` alone (n = 1)."""
+    i = (disagg.choice_index or 0) if disagg is not None else 0
+    return range(i, i + 1) if i else range(n)
 
 
 class _Run:

@@ -115,6 +115,10 @@ class DisaggregatedParams(BaseModel):
     kv_num_tokens: Count | None = Field(
         None, description="moved request: the lease holds the KV of this many tokens (prompt + first_gen_tokens "
                           "but the last), not only the prompt's")
+    choice_index: Annotated[int, Field(ge=0, lt=MAX_CHOICES, strict=True)] | None = Field(
+        None, description="request side, n = 1 only: this request continues choice `choice_index` of an n > 1 "
+                          "request (a migrated choice): it samples with that choice index and its chunks carry "
+                          "`index: choice_index`")
     raw_output: StrictBool | None = Field(
         None, description="request side: the caller assembles the client's text itself and parses tool calls and "
                           "reasoning out of it (pdserve.output_parser); the server streams the text unparsed")
