@@ -110,6 +110,7 @@ class GenRelay:
         self.migrations = 0
         self.moves = 0
         self.finished = False
+        self.broken: Broken | None = None  # why the last stream ended, when run() returned its failure
         self.chunks_sent = 0
         self.t_last: float | None = None
         self._tail: list[bytes] = []  # client chunks that came in the piece holding [DONE] (take_tail)
@@ -134,6 +135,7 @@ class GenRelay:
                 gs = await self._source.move(self.progress, broken.moved, broken.server)
                 continue
             if not broken.migratable or self.migrations >= self._limit:
+                self.broken = broken
                 if broken.migratable and self._limit:
                     return f"{broken.message} (migration_limit {self._limit} reached)"
                 return broken.message

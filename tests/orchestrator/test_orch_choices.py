@@ -66,16 +66,20 @@ def test_num_choices():
 
 
 def test_choices_progress_relays_chunks_and_knows_when_every_choice_ended():
-    p = ChoicesProgress(chat=False, n=2)
+    p = ChoicesProgress.for_body({"n": 2}, chat=False, parser=lambda: None)
     first = p.attempt().absorb({"id": "gen-1", "created": 9, "model": "m",
                                 "choices": [{"index": 1, "text": "a", "finish_reason": None}]})
     assert first["choices"][0]["text"] == "a" and p.head["id"] == "gen-1"
-    p.absorb({"id": "other", "created": 10, "model": "m", "choices": [{"index": 1, "text": "", "finish_reason": "stop"}]})
+    a = p.attempt()
+    a.absorb({"id": "other", "created": 10, "model": "m", "choices": [{"index": 1, "text": "", "finish_reason": "stop"}]})
     assert p.finish_reason is None
-    out = p.absorb({"id": "other", "created": 10, "model": "m",
+    out = a.absorb({"id": "other", "created": 10, "model": "m",
                     "choices": [{"index": 0, "text": "b", "finish_reason": "length"}]})
-    assert out["id"] == "gen-1" and out["created"] == 9 and p.finish_reason == "length"
-    assert p.absorb({"id": "other", "created": 1, "model": "m", "choices": []}) is None
+    assert out["id"] == "gen-1" and out["created"] == 9 and p.finish_reason is not None
+    assert [c.finish_reason for c in p.choices] == ["length", "stop"] and p.choices[0].text == "b"
+    assert a.absorb({"id": "other", "created": 1, "model": "m", "choices": []}) is None
     usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
-    assert p.absorb({"id": "o", "created": 1, "model": "m", "choices": [], "usage": usage})["usage"] == usage
+    assert a.absorb({"id": "o", "created": 1, "model": "m", "choices": [], "usage": usage})["usage"] == usage
     assert p.final_usage() == usage
+    with pytest.raises(ValueError, match="choice index"):
+        a.absorb({"id": "o", "created": 1, "model": "m", "choices": [{"index": 2, "text": "x"}]})
