@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import RequestValidationError
+from engine.kv_connector import HANDED_BACK
 from engine.request import RequestOutput
 from engine.structured_output import GrammarCompiler
 from executor.disconnect import unless_client_leaves
@@ -55,6 +56,7 @@ from pdserve.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    HANDED_BACK_EVENT,
     DisaggregatedParams,
     KVLayoutModel,
     ModelCard,
@@ -276,8 +278,6 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
                        param="disaggregated_params")
     if disagg is not None and disagg.choice_index and body.n > 1:
         raise ApiError(400, "choice_index continues one choice: it needs n = 1", param="n")
-    if disagg is not None and disagg.movable and body.n > 1:
-        raise ApiError(400, "an n > 1 request cannot be movable (a drain waits for it)", param="n")
     try:
         if rtype == "generation_only" and not disagg.awaits_ctx:
             prompt = list(disagg.prompt_token_ids)  # generation_first: tokenized here, checked against the ctx's
@@ -428,16 +428,26 @@ class _Run:
         back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token.
         A request moved off this draining server (finish reason ``moved``) ends with one event
         ``{"moved": disaggregated_params}`` (``answer.moved``: its lease here, token ids so far) and
-        ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it)."""
+        ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it). A
+        movable n > 1 request handed back by the drain (finish reason ``handed_back``) ends the same
+        way with ``{"moved": {"handed_back": true}}`` (pdserve.protocol.HANDED_BACK_EVENT): no KV
+        is parked; the orchestrator continues each choice by prefilling again."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
         try:
             out = first
             while out is not None:
-                if out.finished and out.finish_reason == "moved":  # n = 1 only (n > 1 is never movable)
+                if out.finished and out.finish_reason == "moved":  # n = 1 only (n > 1 is handed back)
                     yield self._moved_event(answer)
                     yield SSE_DONE
                     return
+                if out.finish_reason == HANDED_BACK:  # n > 1 on a move_kv drain: each choice goes on elsewhere
+                    if out.finished:
+                        yield sse_event(HANDED_BACK_EVENT)
+                        yield SSE_DONE
+                        return
+                    out = await self.next()
+                    continue
                 is_first = out.index not in offsets
                 parsed = self._parsed(out)
                 if ((parsed if parsed is not None else out.new_text) or out.finished or out.finish_reason is not None

@@ -13,6 +13,12 @@ chunks reach the client one write at a time (a lock), each with its choice's ``i
 
 ``migration_limit`` counts per choice: the break of the n-choice stream is each continued choice's
 first migration, and a continuation may migrate ``migration_limit - 1`` more times.
+
+A gen server that drains with ``move_kv`` hands a movable n-choice stream back (its last event
+``{"moved": {"handed_back": true}}``: the choices' KV freed, not parked): its unfinished choices
+continue the same way, on other gen servers, prefilled again (a recompute, not a KV move); that
+does not count toward ``migration_limit`` (nothing failed) and the server is not marked unhealthy.
+A continuation is an n = 1 stream: a later drain moves its KV like any n = 1 stream's.
 """
 
 from __future__ import annotations
@@ -66,11 +72,11 @@ class _ChoiceFailed(Exception):
 class ChoicesRelay:
     """Runs an n > 1 request's gen phase (see the module docstring).
 
-    ``continuation(i)``: a new n = 1 :class:`GenPhase` for choice ``i`` (its Progress is
-    ``progress.choices[i]``). Other arguments as :class:`GenRelay`'s.
+    ``continuation(i, exclude)``: a new n = 1 :class:`GenPhase` for choice ``i`` (its Progress is
+    ``progress.choices[i]``) whose first gen stream avoids the gen servers in ``exclude``. Other arguments as :class:`GenRelay`'s.
     """
 
-    def __init__(self, progress: ChoicesProgress, source: GenSource, continuation: Callable[[int], GenPhase],
+    def __init__(self, progress: ChoicesProgress, source: GenSource, continuation: Callable[[int, set[str]], GenPhase],
                  migration_limit: int, metrics: Metrics, endpoint: str, deadline_s: float,
                  include_usage: bool) -> None:
         self.progress = progress
@@ -79,7 +85,7 @@ class ChoicesRelay:
         self._metrics, self._endpoint, self._deadline_s = metrics, endpoint, deadline_s
         self._include_usage = include_usage
         self._first = GenRelay(progress, source, 0, metrics, endpoint, deadline_s,  # type: ignore[arg-type]
-                               include_usage)
+                               include_usage, moves=False)
         self._more: list[GenRelay] = []
         self.finished = False
 
@@ -105,15 +111,20 @@ class ChoicesRelay:
             return None
         broken = self._first.broken
         todo = [c.index for c in self.progress.choices if c.finish_reason is None]
-        if broken is None or not broken.migratable or not self._limit or not todo:
+        handed_back = broken is not None and broken.moved is not None and broken.server is not None
+        if broken is None or not (broken.migratable or handed_back) or not self._limit or not todo:
             return failure
         self.progress.continued = True
-        log.warning("%s; continuing %d unfinished choice(s) %s each on another gen server", failure, len(todo), todo)
-        failure = await self._continue(todo, emit)
+        log.warning("%s; continuing %d unfinished choice(s) %s each on another gen server%s", failure, len(todo),
+                    todo, " (handed back by a drain: prefilled again)" if handed_back else "")
+        exclude = {broken.server.url} if handed_back and broken.server is not None else set()
+        failure = await self._continue(todo, emit, exclude, handed_back)
         self.finished = failure is None
         return failure
 
-    async def _continue(self, todo: list[int], emit: Emit | None) -> str | None:
+    async def _continue(self, todo: list[int], emit: Emit | None, exclude: set[str], handed_back: bool) -> str | None:
+        """Continue choices ``todo`` concurrently (not on the gen servers in ``exclude``); the failure's
+        message, or None when all finished."""
         lock = asyncio.Lock()
 
         async def one_at_a_time(data: bytes) -> None:
@@ -128,7 +139,7 @@ class ChoicesRelay:
                 try:
                     async with asyncio.TaskGroup() as group:
                         for i in todo:
-                            group.create_task(self._one(i, out), name=f"choice-{i}")
+                            group.create_task(self._one(i, out, exclude, handed_back), name=f"choice-{i}")
                 except* (_ChoiceFailed, OrchestratorError) as err:
                     # the first failure cancelled the other continuations: it is the client's error
                     first = err.exceptions[0]
@@ -137,12 +148,13 @@ class ChoicesRelay:
             return "the request's deadline passed while its choices continued"
         return failures[0] if failures else None
 
-    async def _one(self, i: int, emit: Emit | None) -> None:
-        """Continue choice ``i`` to its end. Raises _ChoiceFailed, OrchestratorError."""
+    async def _one(self, i: int, emit: Emit | None, exclude: set[str], handed_back: bool) -> None:
+        """Continue choice ``i`` to its end (``handed_back``: by a drain, which is no failure: the
+        continuation keeps the whole ``migration_limit``). Raises _ChoiceFailed, OrchestratorError."""
         progress = self.progress.choices[i]
-        source = ChoiceContinuation(self._continuation(i), progress)
-        relay = GenRelay(progress, source, max(self._limit - 1, 0), self._metrics, self._endpoint, self._deadline_s,
-                         False)
+        source = ChoiceContinuation(self._continuation(i, exclude), progress)
+        limit = self._limit if handed_back else self._limit - 1
+        relay = GenRelay(progress, source, max(limit, 0), self._metrics, self._endpoint, self._deadline_s, False)
         self._more.append(relay)
         self._metrics.migrations.inc()
         try:

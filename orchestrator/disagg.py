@@ -340,7 +340,7 @@ class DisaggFlow:
         source = GenPhase(self, ex, hint, progress, lease, params, failed_ctx,  # type: ignore[arg-type]
                           token_ids=migrate, want_usage=include_usage or not ex.stream, exclude_gen=exclude,
                           failures=failures)
-        relay = ChoicesRelay(progress, source, lambda i: self._choice_phase(ex, hint, progress, i),
+        relay = ChoicesRelay(progress, source, lambda i, avoid: self._choice_phase(ex, hint, progress, i, avoid),
                              self._settings.migration_limit, self._metrics, ex.endpoint,
                              ex.started_s + self._settings.request_timeout_s, include_usage)
         if ex.stream:
@@ -355,12 +355,15 @@ class DisaggFlow:
                                     type_="service_unavailable")
         return self._json_response(ex, progress.answer())
 
-    def _choice_phase(self, ex: Exchange, hint: RouteHint | None, progress: ChoicesProgress, i: int) -> GenPhase:
+    def _choice_phase(self, ex: Exchange, hint: RouteHint | None, progress: ChoicesProgress, i: int,
+                      avoid: set[str]) -> GenPhase:
         """An n = 1 gen phase continuing choice ``i`` of ``ex`` (its own disagg_request_id, no parked
-        KV yet: its first stream prefills the prompt again, orchestrator.choices_relay)."""
+        KV yet: its first stream prefills the prompt again, orchestrator.choices_relay; that stream
+        not on the gen servers in ``avoid``)."""
         child = dataclasses.replace(ex, body={**ex.body, "n": 1}, disagg_request_id=f"{ex.disagg_request_id}-c{i}",
                                     colocated=False, choice_index=i)
-        return GenPhase(self, child, hint, progress.choices[i], None, None, set(), token_ids=True, want_usage=True)
+        return GenPhase(self, child, hint, progress.choices[i], None, None, set(), token_ids=True, want_usage=True,
+                        exclude_gen=avoid)
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""

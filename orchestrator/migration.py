@@ -27,7 +27,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import jsonio
-from .choices import num_choices
 from .errors import OrchestratorError
 from .progress import Progress
 from .relay import GenStream
@@ -175,9 +174,7 @@ class GenPhase:
     def _request_side(self, dp: dict[str, Any]) -> None:
         """The request-side fields of a gen request's ``disaggregated_params`` (set on ``dp``)."""
         if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
-            dp["stream_token_ids"] = True
-            if num_choices(self._ex.body) == 1:  # an n-choice stream is not movable: a drain waits for it
-                dp["movable"] = True
+            dp["stream_token_ids"] = dp["movable"] = True  # n > 1: a drain hands it back (orchestrator.choices)
         if self._ex.parses:  # the relay parses the text it assembles
             dp["raw_output"] = True
         if self._ex.choice_index is not None:  # continues one choice of an n > 1 request (orchestrator.choices)

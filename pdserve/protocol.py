@@ -62,6 +62,10 @@ class KVLayoutModel(BaseModel):
         return self
 
 
+# The last event of a movable n > 1 stream handed back by a gen server draining with move_kv (its
+# choices' KV freed, not parked; the orchestrator continues each choice elsewhere by prefilling again).
+HANDED_BACK_EVENT = {"moved": {"handed_back": True}}
+
 MAX_CHOICES = 16  # `n` at most; the engine's limit (engine.request.MAX_CHOICES) is the same
 
 
