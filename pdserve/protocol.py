@@ -115,7 +115,8 @@ class DisaggregatedParams(BaseModel):
     ctx_url: CtxURL | None = Field(None, description="generation_first: the ctx server to wait on for the rest")
     movable: StrictBool | None = Field(
         None, description="request side (streams only): if this server drains with move_kv, the stream may end "
-                          "with a `moved` event (the request's KV parked here for another gen server to pull)")
+                          "with a `moved` event (the request's KV parked here for another gen server to pull; "
+                          "n > 1: HANDED_BACK_EVENT, no KV parked)")
     kv_num_tokens: Count | None = Field(
         None, description="moved request: the lease holds the KV of this many tokens (prompt + first_gen_tokens "
                           "but the last), not only the prompt's")
