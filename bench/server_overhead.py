@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- step 1: the bare engine (runs in a pinned child) ---------------------------------------
 def bare_child(a: argparse.Namespace) -> None:
     """Print one JSON line per batch size: median step ms and the mean ms of each step stage."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's ranks run (executor.proxy)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as an unpinned server's ranks run (engine.openmp_wait auto)
     from engine_step import decode_step_ms
 
     from engine.llm_engine import LLMEngine

@@ -120,9 +120,9 @@ class Proxy:
         # otherwise launch them with a nested srun, which waits for CPUs the step already holds.
         argv = [mpiexec_path(), "-launcher", "fork", "-n", str(tp), sys.executable, "-m", "executor.worker_main",
                 "--ipc-dir", str(self.ipc_dir)]
-        # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, which matters when
-        # several ranks and servers share few cores (a spinning rank slowed SmolLM2 8x in tests).
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
+        # The ranks set their OpenMP wait policy themselves (engine.openmp_wait, executor.rank_threads):
+        # passive unless their threads own their cores (a spinning rank slowed SmolLM2 8x in tests).
+        env = {**os.environ,
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         self.rank_log.parent.mkdir(parents=True, exist_ok=True)
         log.info("launching %d worker rank(s): %s (log: %s)", tp, " ".join(argv), self.rank_log)

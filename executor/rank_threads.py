@@ -20,13 +20,14 @@ How, in the order the rank must do it:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import threading
 from pathlib import Path
 
-from pdserve.cpu_bind import RankCores, fmt, omp_env, online_cpus, parse_cpu_list, plan_rank
+from pdserve.cpu_bind import RankCores, fmt, omp_env, omp_wait_env, online_cpus, parse_cpu_list, plan_rank
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,10 @@ def env_rank() -> int:
     return int(os.environ.get("PMI_RANK", "0"))
 
 
-def prepare(setting: str, num_threads: int | None, tp_size: int, rank: int) -> RankCores:
-    """Plan rank ``rank``'s cores and set the OpenMP binding in ``os.environ`` (step 1).
+def prepare(setting: str, num_threads: int | None, tp_size: int, rank: int,
+            openmp_wait: str = "auto") -> RankCores:
+    """Plan rank ``rank``'s cores and set the OpenMP binding and wait policy (``engine.openmp_wait``,
+    :func:`pdserve.cpu_bind.omp_wait_env`) in ``os.environ`` (step 1).
 
     Raises ValueError (an explicit core outside the process's mask) or RuntimeError (torch is
     imported already: its OpenMP runtime has read its environment, the binding would not apply)."""
@@ -45,7 +48,9 @@ def prepare(setting: str, num_threads: int | None, tp_size: int, rank: int) -> R
     if plan.cores and "torch" in sys.modules:
         raise RuntimeError("engine.cpu_bind: torch was imported before the rank set its OpenMP binding")
     os.environ.update(omp_env(plan.cores))
-    return plan
+    wait_env, why = omp_wait_env(openmp_wait, bool(plan.cores), dict(os.environ))
+    os.environ.update(wait_env)
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {why}")  # logged once logging is set up
 
 
 def release_main_thread(allowed: set[int]) -> None:

@@ -139,7 +139,8 @@ def plan_threads(spec: dict) -> tuple[RankCores, Exception | None]:
     engine = spec["server"]["engine"]
     allowed = os.sched_getaffinity(0)
     try:
-        plan = prepare(engine["cpu_bind"], engine["num_threads"], engine["tp_size"], env_rank())
+        plan = prepare(engine["cpu_bind"], engine["num_threads"], engine["tp_size"], env_rank(),
+                       engine.get("openmp_wait", "auto"))
     except (ValueError, RuntimeError) as err:
         return RankCores((), engine["num_threads"], str(err)), err
     if plan.cores:

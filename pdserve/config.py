@@ -87,6 +87,13 @@ class EngineSettings(StrictModel):
         "process's affinity mask only where that mask (taskset, a launcher, Slurm) is narrower than the host "
         "and holds exactly tp_size × num_threads cores, so servers started side by side are never pinned to "
         "the same core (pdserve.cpu_bind). A list needs executor: mpi")
+    openmp_wait: Literal["auto", "passive", "spin"] = Field(
+        "auto", description="what a worker rank's idle OpenMP threads do between the ~1,200 parallel ops of a "
+        "decode step (pdserve.cpu_bind.omp_wait_env): 'spin' a short while (GOMP_SPINCOUNT "
+        "10000, ~15-25% faster steps on dedicated cores), 'passive' (sleep at once: the right choice where "
+        "other processes share the cores; a spinning rank slowed a loaded test machine several-fold); 'auto' = "
+        "spin when the rank's threads are pinned to cores of their own (engine.cpu_bind), else passive, and an "
+        "OMP_WAIT_POLICY or GOMP_SPINCOUNT already in the environment wins. Worker ranks only (executor: mpi)")
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per server (KV heads split over ranks)")
     executor: Literal["mpi", "inproc"] = Field(
         "mpi", description="'mpi': engine in MPI-launched worker ranks behind IPC lanes (the lattice); "

@@ -40,3 +40,18 @@ def test_no_binding_sets_nothing(monkeypatch, bind):
     before = dict(os.environ)
     plan, err = worker_main.plan_threads(spec(cpu_bind=bind, num_threads=2))
     assert err is None and plan.cores == () and os.environ == before
+
+
+def test_a_pinned_rank_spins_and_an_unpinned_one_sleeps(monkeypatch):
+    """engine.openmp_wait auto: the rank's own plan decides (no wait variable inherited)."""
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(online_cpus())))
+    plan, err = worker_main.plan_threads(spec(cpu_bind="off", num_threads=2))
+    assert err is None and os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and os.environ["GOMP_SPINCOUNT"] == "0"
+    assert "engine.openmp_wait: passive" in plan.reason
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY",
+                                                                                         "GOMP_SPINCOUNT")})
+    plan, err = worker_main.plan_threads(spec(cpu_bind="off", num_threads=2, openmp_wait="spin"))
+    assert err is None and os.environ["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in os.environ

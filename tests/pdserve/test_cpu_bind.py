@@ -71,3 +71,39 @@ def test_an_explicit_core_outside_the_mask_is_refused():
 def test_the_openmp_environment_places_thread_i_on_core_i():
     assert omp_env((2, 5)) == {"OMP_PLACES": "{2},{5}", "OMP_PROC_BIND": "close", "OMP_NUM_THREADS": "2"}
     assert omp_env(()) == {}
+
+
+# engine.openmp_wait (omp_wait_env): what a rank's idle OpenMP threads do between parallel regions
+
+def test_openmp_wait_auto_spins_only_on_pinned_threads():
+    from pdserve.cpu_bind import SPIN_COUNT, omp_wait_env
+
+    env, why = omp_wait_env("auto", True, {})
+    assert env == {"GOMP_SPINCOUNT": str(SPIN_COUNT)} and "spin" in why and "pinned" in why
+    env, why = omp_wait_env("auto", False, {})
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"} and "passive" in why
+
+
+@pytest.mark.parametrize("given", [{"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "5"}])
+def test_openmp_wait_auto_keeps_the_operators_environment(given):
+    from pdserve.cpu_bind import omp_wait_env
+
+    env, why = omp_wait_env("auto", True, {"PATH": "/bin", **given})
+    assert env == {} and "kept the environment's" in why and next(iter(given)) in why
+
+
+def test_openmp_wait_explicit_overrides_the_environment():
+    from pdserve.cpu_bind import SPIN_COUNT, omp_wait_env
+
+    # GOMP_SPINCOUNT takes precedence over OMP_WAIT_POLICY in libgomp: 'spin' beats an inherited PASSIVE
+    assert omp_wait_env("spin", False, {"OMP_WAIT_POLICY": "PASSIVE"})[0] == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    assert omp_wait_env("passive", True, {"GOMP_SPINCOUNT": "99"})[0] == {"OMP_WAIT_POLICY": "PASSIVE",
+                                                                          "GOMP_SPINCOUNT": "0"}
+
+
+def test_openmp_wait_setting_is_checked():
+    from pdserve.config import EngineSettings
+
+    assert EngineSettings().openmp_wait == "auto"
+    with pytest.raises(ValueError, match="openmp_wait"):
+        EngineSettings(openmp_wait="busy")
