@@ -19,8 +19,9 @@ request's blocks stay with choice 0 and are parked once, if any choice goes on (
 
 Structured output: the n first tokens are drawn from the one row under the request's one grammar
 mask (no token consumed yet); each choice then has its own matcher (:meth:`Sequence.child` forks
-it), which consumes that choice's tokens only. Drain ``move_kv`` never moves a choice: an n > 1
-request is not movable (engine.validation).
+it), which consumes that choice's tokens only. Drain ``move_kv`` never moves a choice: a movable
+n > 1 request is handed back instead (:meth:`engine.llm_engine.LLMEngine.move_out`: every choice
+finishes with ``handed_back``, its blocks freed; the caller continues each choice elsewhere).
 
 Randomness: choice i draws with choice index i (:mod:`engine.sampler`), so seeded choices are
 reproducible and differ from each other, and choice 0 of n draws exactly what the same request

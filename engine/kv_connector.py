@@ -33,6 +33,7 @@ from engine.request import KVPull, Phase
 from engine.sequence import SeqStatus, Sequence
 
 MOVED = "moved"  # finish reason of a request moved off a draining engine (its blocks parked)
+HANDED_BACK = "handed_back"  # finish reason of an n > 1 request handed back by a draining engine (blocks freed)
 
 
 class KVConnector:

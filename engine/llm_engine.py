@@ -15,7 +15,7 @@ from engine.choices import Families, fork
 from engine.config import check_engine_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestValidationError
-from engine.kv_connector import MOVED, make_connector
+from engine.kv_connector import HANDED_BACK, MOVED, make_connector
 from engine.kv_event_log import KVEventLog
 from engine.kv_memory import allocate_kv_cache
 from engine.kv_sizing import resolve_num_kv_blocks
@@ -119,6 +119,7 @@ class LLMEngine:
         self.prefill_tokens = 0  # prompt tokens computed (not cached, not pulled); a recompute counts again
         self.tokens_computed = 0  # tokens whose KV the model computed here (prefill and decode), all requests
         self.requests_moved_out = 0
+        self.requests_handed_back = 0
         self.families = Families()  # n > 1 requests after their fork (engine.choices)
         self.step_clock = StageClock(STEP_STAGES, STEP_KINDS)  # where a step's wall time goes (stats: step_*)
         self._pending_copies: list[tuple[int, int]] = []  # fork block copies the TP followers still owe
@@ -150,6 +151,7 @@ class LLMEngine:
         return {"free_blocks": self.num_free_blocks, "total_blocks": self.config.num_kv_blocks,
                 "prefill_tokens": self.prefill_tokens,
                 "tokens_computed": self.tokens_computed, "requests_moved_out": self.requests_moved_out,
+                "requests_handed_back": self.requests_handed_back,
                 **self.memory_stats(), **self.scheduler.counts(), **self.scheduler.prefix_cache_stats(),
                 **self.step_clock.snapshot("step")}
 
@@ -298,13 +300,21 @@ class LLMEngine:
         another engine to pull. Each such request finishes with reason ``"moved"`` in the next
         :meth:`step`'s outputs, carrying :class:`engine.request.MovedKV`; its blocks stay allocated
         until :meth:`release_parked` (or :meth:`abort_request`). Requests not in decode yet (waiting,
-        pulling, prefilling) are left alone: call again after later steps. Returns the ids moved."""
+        pulling, prefilling) are left alone: call again after later steps. Returns the ids moved.
+
+        A movable n > 1 request is not moved but **handed back** (:meth:`_hand_back`): once every
+        choice that goes on sits at a decode step boundary, each finishes with reason
+        ``"handed_back"`` and its blocks are freed; the caller continues each choice elsewhere by
+        prefilling again (its id is not in the list returned)."""
         if self.scheduler.connector is None:
             return []
         moved = []
         for seq in list(self.scheduler.running):
-            # n > 1 choices are never movable (engine.validation): a drain waits for them
-            if not seq.movable or not seq.in_decode or (seq.request_id, seq.index) in self._to_emit:
+            if not seq.movable or seq.finished or not seq.in_decode or (seq.request_id, seq.index) in self._to_emit:
+                continue
+            family = self.families.members(seq.request_id)
+            if family is not None:
+                self._hand_back(family)
                 continue
             if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
                 continue
@@ -314,6 +324,16 @@ class LLMEngine:
             moved.append(seq.request_id)
         self.requests_moved_out += len(moved)
         return moved
+
+    def _hand_back(self, family: list[Sequence]) -> None:
+        """Finish every unfinished choice of a forked request with ``"handed_back"`` (blocks freed),
+        if all of them sit at a decode step boundary with nothing pending for the caller."""
+        going_on = [m for m in family if not m.finished]
+        if not going_on or not all(m.in_decode and (m.request_id, m.index) not in self._to_emit for m in going_on):
+            return
+        for member in going_on:
+            self._finish(member, HANDED_BACK)
+        self.requests_handed_back += 1
 
     def release_parked(self, request_id: str) -> bool:
         """Free a CONTEXT_ONLY request's handed-off blocks. False if it holds none."""

@@ -35,7 +35,12 @@ class EngineRequest:
     n: choices (OpenAI's ``n``): one prefill, then n decodes forked from it (engine.choices).
     GENERATION_ONLY with n > 1: first_token_ids (and first_token_logprobs) hold one token per
     choice, in choice order (what the ctx server sampled for each), not consecutive tokens. An
-    n > 1 request is neither ``movable`` nor moved (``kv_num_tokens``): engine.validation refuses both.
+    n > 1 request is never a moved one's pull (``kv_num_tokens``); a ``movable`` one is handed back
+    on a move_kv drain (LLMEngine.move_out: finish reason ``"handed_back"``, blocks freed).
+    choice_index: an n = 1 request that continues choice ``choice_index`` of an n > 1 request (a
+    migrated or moved choice): it samples with that choice index (engine.sampler: noise is a function
+    of seed, choice and position), so it draws what that choice would have; its outputs carry it as
+    ``index``. 0 for every other request; engine.validation refuses it with n > 1.
     """
 
     request_id: str
@@ -52,6 +57,7 @@ class EngineRequest:
     n: int = 1
     movable: bool = False
     kv_num_tokens: int | None = None
+    choice_index: int = 0
 
 
 @dataclass
@@ -85,7 +91,7 @@ class RequestOutput:
     new_token_ids entry when sampling.logprobs is set, else None. prompt_logprobs (sampling.
     prompt_logprobs set): one per prompt token (None for the first), on the first output that
     carries output tokens, else None. moved: set on the final output of a request moved off this
-    engine (finish reason ``"moved"``, blocks parked; never an n > 1 request: those are not movable).
+    engine (finish reason ``"moved"``, blocks parked; never an n > 1 request: those are handed back).
 
     n > 1 (EngineRequest.n): each output belongs to one choice, ``index``; ``finish_reason`` and
     ``num_output_tokens`` are that choice's, and ``finished`` marks the request's last output

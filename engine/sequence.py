@@ -81,7 +81,7 @@ class Sequence:
         self.movable = req.movable
         self.kv_num_tokens = req.kv_num_tokens  # GENERATION_ONLY of a moved request: tokens the pull brings
         self.grammar: GrammarMatcher | None = None  # set by the engine for a structured-output request
-        self.index = 0
+        self.index = req.choice_index  # n = 1 continuing choice i of an n > 1 request: draws as choice i
         self.n = req.n
         self.keep_blocks = False
 

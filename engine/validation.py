@@ -55,13 +55,17 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
 
 
 def _validate_choices(req: EngineRequest, phase: Phase, max_model_len: int) -> None:
-    """n in [1, MAX_CHOICES]; n > 1 is neither movable nor a moved request's pull; a GENERATION_ONLY request with n > 1 brings one first token per choice
-    (not later: generation_first does not fork)."""
+    """n in [1, MAX_CHOICES]; choice_index in [0, MAX_CHOICES) and only with n = 1; n > 1 is not a
+    moved request's pull (a movable n > 1 request is handed back on a drain, LLMEngine.move_out); a GENERATION_ONLY request with n > 1 brings one first token per
+    choice (not later: generation_first does not fork)."""
     if not 1 <= req.n <= MAX_CHOICES:
         raise RequestValidationError(f"request {req.request_id}: n must be in [1, {MAX_CHOICES}], got {req.n}")
-    if req.n > 1 and (req.movable or req.kv_num_tokens is not None):
-        raise RequestValidationError(f"request {req.request_id}: an n > 1 request cannot be moved (drain "
-                                     "move_kv moves n = 1 requests; the engine waits for this one)")
+    if not 0 <= req.choice_index < MAX_CHOICES or (req.choice_index and req.n > 1):
+        raise RequestValidationError(f"request {req.request_id}: choice_index {req.choice_index} needs n = 1 and "
+                                     f"must be in [0, {MAX_CHOICES})")
+    if req.n > 1 and req.kv_num_tokens is not None:
+        raise RequestValidationError(f"request {req.request_id}: an n > 1 request cannot be a moved one's pull "
+                                     "(a moved choice continues as n = 1 with its choice_index)")
     if req.n == 1 or phase is not Phase.GENERATION_ONLY:
         return
     if req.first_tokens_later:

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import RequestValidationError
+from engine.kv_connector import HANDED_BACK
 from engine.request import RequestOutput
 from engine.structured_output import GrammarCompiler
 from executor.disconnect import unless_client_leaves
@@ -55,6 +56,8 @@ from pdserve.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    HANDED_BACK_EVENT,
+    DisaggregatedParams,
     KVLayoutModel,
     ModelCard,
     ModelList,
@@ -273,8 +276,8 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     if disagg is not None and disagg.movable and not body.stream:
         raise ApiError(400, "only a streamed request can be movable (its stream ends with the moved event)",
                        param="disaggregated_params")
-    if disagg is not None and disagg.movable and body.n > 1:
-        raise ApiError(400, "an n > 1 request cannot be movable (a drain waits for it)", param="n")
+    if disagg is not None and disagg.choice_index and body.n > 1:
+        raise ApiError(400, "choice_index continues one choice: it needs n = 1", param="n")
     try:
         if rtype == "generation_only" and not disagg.awaits_ctx:
             prompt = list(disagg.prompt_token_ids)  # generation_first: tokenized here, checked against the ctx's
@@ -293,7 +296,7 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
     shape = response_shape(body, prompt, state.client.tokenizer)
     if chat and not (disagg and disagg.raw_output):  # else the caller parses the text it assembles
         parsers = {i: output_parser(tools, cfg.model.tool_call_parser, cfg.model.reasoning_parser)
-                   for i in range(body.n)}  # one per choice: each holds its own parse state
+                   for i in choice_indexes(body.n, disagg)}  # one per choice: each holds its own parse state
         shape.parsers = {i: p for i, p in parsers.items() if p is not None}
     run = _Run(state, rtype, chat, body.model, handler(ereq, disagg, answer), shape)
     first = await run.first_unless_disconnected(request)
@@ -304,6 +307,12 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         token_ids = bool(disagg and disagg.stream_token_ids)
         return StreamingResponse(run.sse(first, include_usage, token_ids, answer), media_type="text/event-stream")
     return await run.collect(first, request, answer)
+
+
+def choice_indexes(n: int, disagg: DisaggregatedParams | None) -> range:
+    """The choice indexes a request's outputs carry: 0..n-1, or its ``choice_index`` alone (n = 1)."""
+    i = (disagg.choice_index or 0) if disagg is not None else 0
+    return range(i, i + 1) if i else range(n)
 
 
 class _Run:
@@ -419,16 +428,26 @@ class _Run:
         back) carrying them in ``choices[0].token_ids``, so the orchestrator knows each token.
         A request moved off this draining server (finish reason ``moved``) ends with one event
         ``{"moved": disaggregated_params}`` (``answer.moved``: its lease here, token ids so far) and
-        ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it)."""
+        ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it). A
+        movable n > 1 request handed back by the drain (finish reason ``handed_back``) ends the same
+        way with ``{"moved": {"handed_back": true}}`` (pdserve.protocol.HANDED_BACK_EVENT): no KV
+        is parked; the orchestrator continues each choice by prefilling again."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
         try:
             out = first
             while out is not None:
-                if out.finished and out.finish_reason == "moved":  # n = 1 only (n > 1 is never movable)
+                if out.finished and out.finish_reason == "moved":  # n = 1 only (n > 1 is handed back)
                     yield self._moved_event(answer)
                     yield SSE_DONE
                     return
+                if out.finish_reason == HANDED_BACK:  # n > 1 on a move_kv drain: each choice goes on elsewhere
+                    if out.finished:
+                        yield sse_event(HANDED_BACK_EVENT)
+                        yield SSE_DONE
+                        return
+                    out = await self.next()
+                    continue
                 is_first = out.index not in offsets
                 parsed = self._parsed(out)
                 if ((parsed if parsed is not None else out.new_text) or out.finished or out.finish_reason is not None

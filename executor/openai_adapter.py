@@ -170,10 +170,10 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``) and
     names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector);
     a moved request's pull covers ``disagg.kv_num_tokens`` tokens. ``disagg.movable``: the request
-    may be moved off this server when it drains with ``move_kv`` (n = 1 only: the engine refuses an
-    n > 1 one). ``n`` choices: a ``generation_only`` request's ``first_gen_tokens`` /
+    may be moved off this server when it drains with ``move_kv`` (n > 1: handed back, its KV freed). ``n`` choices: a ``generation_only`` request's ``first_gen_tokens`` /
     ``first_gen_logprobs`` then hold one entry per choice, in choice order (the ctx server's answer,
-    engine.choices)."""
+    engine.choices). ``disagg.choice_index`` (n = 1): the request continues that choice of an n > 1
+    request and samples as it (engine.request.EngineRequest.choice_index)."""
     phase = PHASES[disagg.request_type] if disagg else Phase.CONTEXT_AND_GENERATION
     gen_only = disagg is not None and phase == Phase.GENERATION_ONLY
     later = gen_only and disagg.awaits_ctx  # generation_first: first tokens and cache hit come with the KV
@@ -187,7 +187,8 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
                          first_token_logprobs=first_lp, prompt_logprobs=prompt_lp,
                          source_block_hashes=hashes, first_tokens_later=later, n=n,
                          movable=bool(disagg and disagg.movable),
-                         kv_num_tokens=disagg.kv_num_tokens if gen_only and not later else None)
+                         kv_num_tokens=disagg.kv_num_tokens if gen_only and not later else None,
+                         choice_index=(disagg.choice_index or 0) if disagg else 0)
 
 
 @dataclass

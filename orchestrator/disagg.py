@@ -26,6 +26,7 @@ a subclass that replaces :meth:`DisaggFlow._disaggregated` and reuses the attemp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -41,6 +42,7 @@ from pdserve.tool_use import NO_TOOLS, ToolUse
 
 from . import jsonio
 from .choices import ChoicesProgress, all_finished, num_choices
+from .choices_relay import ChoicesRelay
 from .ctx_answer import parse_ctx_answer
 from .errors import OrchestratorError
 from .h1client import H1Client
@@ -108,6 +110,7 @@ class Exchange:
     colocated: bool = False        # runs both phases on one gen server (conditional disaggregation)
     tools: ToolUse = NO_TOOLS      # what tools/tool_choice ask (checked at validation)
     parses: bool = False           # chat text is parsed (reasoning, tool calls): relayed streams ask for raw text
+    choice_index: int | None = None  # continues this choice of an n > 1 request (n = 1 body; orchestrator.choices)
 
     @property
     def stream(self) -> bool:
@@ -210,9 +213,8 @@ class DisaggFlow:
                                     kind="gen_failed", type_="service_unavailable")
         if ex.body.get("seed") is None:  # one seed for every server the request meets
             ex.body = {**ex.body, "seed": secrets.randbits(63)}
-        # n > 1: each choice's text is parsed by the gen server that streams it (no raw_output asked;
-        # the relay forwards its n-choice stream as written, orchestrator.choices)
-        ex.parses = num_choices(ex.body) == 1 and self.output_parser(ex) is not None
+        # n > 1 too: each choice's text is parsed here by its own parser (orchestrator.choices)
+        ex.parses = self.output_parser(ex) is not None
         hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
@@ -249,9 +251,9 @@ class DisaggFlow:
         Raises KVSourceFailed, OrchestratorError, UpstreamRejected."""
         params = answer["choices"][0]["disaggregated_params"]
         lease = Lease(ctx_server.url, params["ctx_request_id"])
-        if ex.stream and num_choices(ex.body) > 1:
-            return self._relayed_choices(ex, hint, params, lease, failed_ctx, exclude, failures)
-        if num_choices(ex.body) == 1 and (ex.stream or self._settings.migration_limit):
+        if num_choices(ex.body) > 1 and (ex.stream or self._settings.migration_limit):
+            return await self._relayed_choices(ex, hint, answer, lease, failed_ctx, exclude, failures)
+        if ex.stream or self._settings.migration_limit:
             return await self._relayed(ex, hint, answer, lease, failed_ctx, exclude, failures)
         gen_body = jsonio.dumps({**ex.body, "disaggregated_params": {
             **params, "request_type": "generation_only", "disagg_request_id": ex.disagg_request_id}})
@@ -275,9 +277,9 @@ class DisaggFlow:
         ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
         self._metrics.routed.labels("gen", "colocated").inc()
-        if ex.stream and num_choices(ex.body) > 1:
-            return self._relayed_choices(ex, hint, None, None, set())
-        if num_choices(ex.body) == 1 and (ex.stream or self._settings.migration_limit):
+        if num_choices(ex.body) > 1 and (ex.stream or self._settings.migration_limit):
+            return await self._relayed_choices(ex, hint, None, None, set())
+        if ex.stream or self._settings.migration_limit:
             return await self._relayed(ex, hint, None, None, set())
         body = jsonio.dumps(ex.body)
         _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, body), hint)
@@ -321,18 +323,47 @@ class DisaggFlow:
             self._check_hits("gen", ex, phase.first_stream.predicted, answer)  # its hit is its own
         return self._json_response(ex, answer)
 
-    def _relayed_choices(self, ex: Exchange, hint: RouteHint | None, params: dict | None, lease: Lease | None,
-                         failed_ctx: set[str], exclude: set[str] | None = None,
-                         failures: list[str] | None = None) -> StreamAnswer:
-        """A streaming n > 1 request's gen phase: the gen stream relayed as written, never migrated
-        (:mod:`orchestrator.choices`); ``params``/``lease``: the ctx answer's (None colocated)."""
-        progress = ChoicesProgress(chat=ex.chat, n=num_choices(ex.body))
+    async def _relayed_choices(self, ex: Exchange, hint: RouteHint | None, answer: dict | None, lease: Lease | None,
+                               failed_ctx: set[str], exclude: set[str] | None = None,
+                               failures: list[str] | None = None) -> Response:
+        """An n > 1 request's gen phase through :class:`ChoicesRelay` (the ctx ``answer`` and its
+        ``lease``: None colocated): a stream, or (not ``ex.stream``) the JSON answer assembled from
+        an internal stream. With ``migration_limit`` > 0 each unfinished choice of a stream that
+        breaks continues on another gen server (:mod:`orchestrator.choices`). Raises
+        OrchestratorError (non-stream only)."""
+        progress = ChoicesProgress.for_body(ex.body, ex.chat, lambda: self.output_parser(ex) if ex.parses else None)
+        if answer is not None:
+            progress.take_ctx_answer(answer)
         include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
+        migrate = self._settings.migration_limit > 0
+        params = None if answer is None else answer["choices"][0]["disaggregated_params"]
         source = GenPhase(self, ex, hint, progress, lease, params, failed_ctx,  # type: ignore[arg-type]
-                          token_ids=False, want_usage=include_usage, exclude_gen=exclude, failures=failures)
-        relay = GenRelay(progress, source, 0, self._metrics, ex.endpoint,  # type: ignore[arg-type]
-                         ex.started_s + self._settings.request_timeout_s, include_usage)
-        return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)
+                          token_ids=migrate, want_usage=include_usage or not ex.stream, exclude_gen=exclude,
+                          failures=failures)
+        relay = ChoicesRelay(progress, source, lambda i, avoid: self._choice_phase(ex, hint, progress, i, avoid),
+                             self._settings.migration_limit, self._metrics, ex.endpoint,
+                             ex.started_s + self._settings.request_timeout_s, include_usage)
+        if ex.stream:
+            return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)  # type: ignore[arg-type]
+        try:
+            failure = await relay.run(None)
+        finally:
+            if not relay.finished:
+                source.abandon()
+        if failure is not None:
+            raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
+                                    type_="service_unavailable")
+        return self._json_response(ex, progress.answer())
+
+    def _choice_phase(self, ex: Exchange, hint: RouteHint | None, progress: ChoicesProgress, i: int,
+                      avoid: set[str]) -> GenPhase:
+        """An n = 1 gen phase continuing choice ``i`` of ``ex`` (its own disagg_request_id, no parked
+        KV yet: its first stream prefills the prompt again, orchestrator.choices_relay; that stream
+        not on the gen servers in ``avoid``)."""
+        child = dataclasses.replace(ex, body={**ex.body, "n": 1}, disagg_request_id=f"{ex.disagg_request_id}-c{i}",
+                                    colocated=False, choice_index=i)
+        return GenPhase(self, child, hint, progress.choices[i], None, None, set(), token_ids=True, want_usage=True,
+                        exclude_gen=avoid)
 
     def release_soon(self, lease: Lease, ex: Exchange) -> None:
         """Release ``lease`` in a background task owned by the app (best effort, short timeout)."""
@@ -398,8 +429,10 @@ class DisaggFlow:
         # prediction is 0 or, unsynced, None), known once the prompt's length is.
         predicted = self._predict(server, hint) if not pending else None
         synced = pending and self._selfcheck is not None and self._selfcheck.synced(server.url)
-        body = {**ex.body, "stream": False,
-                "disaggregated_params": {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}}
+        dp = {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}
+        if ex.choice_index is not None:  # its first token: the one this choice sampled
+            dp["choice_index"] = ex.choice_index
+        body = {**ex.body, "stream": False, "disaggregated_params": dp}
         body.pop("stream_options", None)
         timeout_s = self._settings.request_timeout_s
         with server.track():
@@ -421,7 +454,7 @@ class DisaggFlow:
             answer = parse_ctx_answer(raw)
         except ValueError:
             raise AttemptFailed("ctx answer is not JSON") from None
-        check_ctx_answer(answer, num_choices(ex.body))
+        check_ctx_answer(answer, num_choices(ex.body), ex.choice_index or 0)
         self._check_hits("ctx", ex, predicted, answer)
         return answer
 
@@ -476,13 +509,15 @@ class DisaggFlow:
         self._metrics.child(self._metrics.e2e, ex.endpoint).observe(elapsed)
 
 
-def check_ctx_answer(answer: dict, n: int = 1) -> None:
+def check_ctx_answer(answer: dict, n: int = 1, first_index: int = 0) -> None:
     """Raise AttemptFailed unless ``answer`` is a usable ctx answer (final, or with ctx params on
-    choice 0): ``n`` choices, indexes 0..n-1 in order."""
+    choice 0): ``n`` choices, indexes ``first_index``.. in order (``first_index``: the choice an
+    n = 1 continuation of an n > 1 request continues)."""
     choices = answer.get("choices")
+    want = list(range(first_index, first_index + n))
     if (not isinstance(choices, list) or len(choices) != n or not all(isinstance(c, dict) for c in choices)
-            or [c.get("index", 0) for c in choices] != list(range(n))):
-        raise AttemptFailed(f"ctx answer does not hold exactly {n} choice(s), indexes 0..{n - 1}")
+            or [c.get("index", 0) for c in choices] != want):
+        raise AttemptFailed(f"ctx answer does not hold exactly {n} choice(s), indexes {want[0]}..{want[-1]}")
     choice = choices[0]
     if all_finished(answer):
         return

@@ -168,20 +168,23 @@ class GenPhase:
         first = self._progress.token_ids or params.get("first_gen_tokens")
         dp = {**params, "request_type": "generation_only", "disagg_request_id": self._ex.disagg_request_id,
               "first_gen_tokens": first}
+        self._request_side(dp)
+        return jsonio.dumps({**self._ex.body, **self._stream_fields(), "disaggregated_params": dp})
+
+    def _request_side(self, dp: dict[str, Any]) -> None:
+        """The request-side fields of a gen request's ``disaggregated_params`` (set on ``dp``)."""
         if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
-            dp["stream_token_ids"] = dp["movable"] = True
+            dp["stream_token_ids"] = dp["movable"] = True  # n > 1: a drain hands it back (orchestrator.choices)
         if self._ex.parses:  # the relay parses the text it assembles
             dp["raw_output"] = True
-        return jsonio.dumps({**self._ex.body, **self._stream_fields(), "disaggregated_params": dp})
+        if self._ex.choice_index is not None:  # continues one choice of an n > 1 request (orchestrator.choices)
+            dp["choice_index"] = self._ex.choice_index
 
     def _colocated_body(self) -> bytes:
         body = {**self._ex.body, **self._stream_fields()}
-        if self._token_ids or self._ex.parses:
-            dp: dict[str, Any] = {"request_type": "context_and_generation"}
-            if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
-                dp["stream_token_ids"] = dp["movable"] = True
-            if self._ex.parses:
-                dp["raw_output"] = True
+        dp: dict[str, Any] = {"request_type": "context_and_generation"}
+        self._request_side(dp)
+        if len(dp) > 1:
             body["disaggregated_params"] = dp
         return jsonio.dumps(body)
 

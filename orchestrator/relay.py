@@ -94,11 +94,12 @@ class GenRelay:
 
     ``deadline_s``: a ``time.monotonic()`` instant after which an open stream is cut (one timer
     per stream). ``include_usage``: the client wants the usage chunk (made here if the last gen
-    stream broke after its final token but before its usage chunk).
+    stream broke after its final token but before its usage chunk). ``moves``: follow a moved
+    event to another gen server (else run() returns and ``broken`` holds it).
     """
 
     def __init__(self, progress: Progress, source: GenSource, migration_limit: int, metrics: Metrics,
-                 endpoint: str, deadline_s: float, include_usage: bool) -> None:
+                 endpoint: str, deadline_s: float, include_usage: bool, moves: bool = True) -> None:
         self.progress = progress
         self._source = source
         self._limit = migration_limit
@@ -106,10 +107,12 @@ class GenRelay:
         self._endpoint = endpoint
         self._deadline_s = deadline_s
         self._include_usage = include_usage
+        self._moves = moves  # False: a moved event ends run() (its caller continues the request: n > 1)
         self._itl = metrics.child(metrics.itl, endpoint)
         self.migrations = 0
         self.moves = 0
         self.finished = False
+        self.broken: Broken | None = None  # why the last stream ended, when run() returned its failure
         self.chunks_sent = 0
         self.t_last: float | None = None
         self._tail: list[bytes] = []  # client chunks that came in the piece holding [DONE] (take_tail)
@@ -126,7 +129,7 @@ class GenRelay:
             if broken is None:
                 self.finished = True
                 return None
-            if broken.moved is not None and broken.server is not None and self.moves < MAX_MOVES:
+            if broken.moved is not None and broken.server is not None and self._moves and self.moves < MAX_MOVES:
                 self.moves += 1
                 self._metrics.moves.inc()
                 log.info("%s; continuing on another gen server that pulls its KV (%d generated tokens, move %d)",
@@ -134,6 +137,7 @@ class GenRelay:
                 gs = await self._source.move(self.progress, broken.moved, broken.server)
                 continue
             if not broken.migratable or self.migrations >= self._limit:
+                self.broken = broken
                 if broken.migratable and self._limit:
                     return f"{broken.message} (migration_limit {self._limit} reached)"
                 return broken.message

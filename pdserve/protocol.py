@@ -62,6 +62,10 @@ class KVLayoutModel(BaseModel):
         return self
 
 
+# The last event of a movable n > 1 stream handed back by a gen server draining with move_kv (its
+# choices' KV freed, not parked; the orchestrator continues each choice elsewhere by prefilling again).
+HANDED_BACK_EVENT = {"moved": {"handed_back": True}}
+
 MAX_CHOICES = 16  # `n` at most; the engine's limit (engine.request.MAX_CHOICES) is the same
 
 
@@ -111,10 +115,15 @@ class DisaggregatedParams(BaseModel):
     ctx_url: CtxURL | None = Field(None, description="generation_first: the ctx server to wait on for the rest")
     movable: StrictBool | None = Field(
         None, description="request side (streams only): if this server drains with move_kv, the stream may end "
-                          "with a `moved` event (the request's KV parked here for another gen server to pull)")
+                          "with a `moved` event (the request's KV parked here for another gen server to pull; "
+                          "n > 1: HANDED_BACK_EVENT, no KV parked)")
     kv_num_tokens: Count | None = Field(
         None, description="moved request: the lease holds the KV of this many tokens (prompt + first_gen_tokens "
                           "but the last), not only the prompt's")
+    choice_index: Annotated[int, Field(ge=0, lt=MAX_CHOICES, strict=True)] | None = Field(
+        None, description="request side, n = 1 only: this request continues choice `choice_index` of an n > 1 "
+                          "request (a migrated choice): it samples with that choice index and its chunks carry "
+                          "`index: choice_index`")
     raw_output: StrictBool | None = Field(
         None, description="request side: the caller assembles the client's text itself and parses tool calls and "
                           "reasoning out of it (pdserve.output_parser); the server streams the text unparsed")

@@ -177,3 +177,34 @@ def test_validation_of_n(tiny_engine):
     with pytest.raises(RequestValidationError, match="generation_first"):
         eng.add_request(EngineRequest("v2", [5, 6], greedy(2), phase=Phase.GENERATION_ONLY, first_tokens_later=True,
                                       n=2))
+
+
+def test_an_n1_request_with_choice_index_samples_what_that_choice_samples(tiny_engine_factory, tiny_engine):
+    """A continuation of choice i (a migrated choice: n = 1, choice_index i, the choice's tokens so
+    far as first tokens, the prompt prefilled again on a ctx engine) draws exactly what choice i of
+    the undisturbed n > 1 request draws; so does a colocated n = 1 request with choice_index i."""
+    ctx_eng, gen_eng = tiny_engine, tiny_engine_factory(num_kv_blocks=64)
+    prompt = _prompt(ctx_eng, 21)
+    tokens, _ = run_choices(ctx_eng, [EngineRequest("three", prompt, sampled(), n=3)])
+    assert len({tuple(tokens[("three", i)]) for i in range(3)}) == 3  # the choices differ: the index matters
+    for i in range(3):
+        want = tokens[("three", i)]
+        got, outs = run_choices(ctx_eng, [EngineRequest(f"c{i}", prompt, sampled(), choice_index=i)])
+        assert got[(f"c{i}", i)] == want and {o.index for o in outs} == {i}
+        _, last = _ctx_choices(ctx_eng, f"g{i}", prompt, sampled(), 1)
+        gen_eng.add_request(EngineRequest(f"g{i}", prompt, sampled(), phase=Phase.GENERATION_ONLY,
+                                          first_token_ids=want[:5], choice_index=i))
+        pull = gen_eng.step().kv_pulls[0]
+        gen_eng.kv_cache[pull.block_ids] = ctx_eng.kv_cache[last.parked_block_ids]
+        gen_eng.kv_ready(f"g{i}", ok=True)
+        got, outs = run_choices(gen_eng, [])
+        assert got[(f"g{i}", i)] == want and {o.index for o in outs} == {i}, i
+        assert ctx_eng.release_parked(f"g{i}")
+    assert gen_eng.num_free_blocks == gen_eng.config.num_kv_blocks
+
+
+def test_validation_of_choice_index(tiny_engine):
+    with pytest.raises(RequestValidationError, match="choice_index"):
+        tiny_engine.add_request(EngineRequest("ci0", [5, 6], greedy(2), n=2, choice_index=1))
+    with pytest.raises(RequestValidationError, match="choice_index"):
+        tiny_engine.add_request(EngineRequest("ci1", [5, 6], greedy(2), choice_index=16))

@@ -66,13 +66,39 @@ def test_disaggregated_choices_with_a_grammar_equal_colocated(tiny_engine_factor
     assert gen.num_free_blocks == gen.config.num_kv_blocks
 
 
-def test_an_n_choices_request_cannot_be_movable_or_moved(tiny_engine):
-    with pytest.raises(RequestValidationError, match="cannot be moved"):
-        tiny_engine.add_request(EngineRequest("m", [5, 6, 7], greedy(4), n=2, movable=True))
-    with pytest.raises(RequestValidationError, match="cannot be moved"):
+def test_an_n_choices_request_cannot_be_a_moved_pull(tiny_engine):
+    with pytest.raises(RequestValidationError, match="cannot be a moved one's pull"):
         tiny_engine.add_request(EngineRequest("k", [5, 6, 7], greedy(4), phase=Phase.GENERATION_ONLY,
                                               first_token_ids=[8, 9], n=2, kv_num_tokens=4))
     assert not tiny_engine.has_work()
+
+
+def test_move_out_hands_a_movable_n_choices_request_back(tiny_engine_factory):
+    """A drain with move_kv: a movable n = 3 request's choices all finish with ``handed_back`` at one
+    decode step boundary (one final output, no new token in it, every block freed); the tokens
+    they had equal the undisturbed run's first ones (the caller continues each choice from there)."""
+    eng = tiny_engine_factory(num_kv_blocks=64, block_size=16)
+    prompt = [300 + (i * 7) % 997 for i in range(21)]
+    ref, _ = run_choices(eng, [EngineRequest("ref", prompt, greedy(12), n=3)])
+    eng.add_request(EngineRequest("three", prompt, greedy(12), n=3, movable=True))
+    tokens, finals, moved = {}, [], []
+    for _ in range(3):  # prefill + fork, then two decode steps
+        for o in eng.step().outputs:
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    moved += eng.move_out()
+    for _ in range(100):
+        if not eng.has_work():
+            break
+        for o in eng.step().outputs:
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+            finals.append(o)
+    assert moved == [] and eng.requests_handed_back == 1
+    assert sorted(o.index for o in finals) == [0, 1, 2] and {o.finish_reason for o in finals} == {"handed_back"}
+    assert [o.finished for o in finals].count(True) == 1 and not any(o.new_token_ids for o in finals)
+    for i in range(3):
+        got = tokens[("three", i)]
+        assert 0 < len(got) < 12 and got == ref[("ref", i)][:len(got)]
+    assert eng.num_free_blocks == eng.config.num_kv_blocks
 
 
 def test_move_out_passes_over_choices_and_they_finish(tiny_engine_factory):

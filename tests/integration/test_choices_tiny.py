@@ -120,16 +120,21 @@ def test_refusals(clients):
         clients["disagg"].completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=17)
 
 
-def test_an_n_choices_request_is_not_movable(threaded_cluster):
-    """Drain move_kv moves n = 1 streams only: a server refuses a movable n > 1 request (the
-    orchestrator never sends one; a drain waits for it)."""
+def test_a_movable_n_choices_request_is_served_and_choice_index_needs_n_1(threaded_cluster):
+    """A movable n > 1 stream is served (a move_kv drain hands it back, test_drain_move.py); a
+    ``choice_index`` (an n = 1 continuation of one choice) with n > 1 is a 400 naming ``n``, and an
+    n = 1 stream with ``choice_index`` 1 carries ``index: 1``."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2, "stream": True,
             "disaggregated_params": {"request_type": "context_and_generation", "movable": True,
                                      "stream_token_ids": True}}
-    r = httpx.post(threaded_cluster.server_url("gen") + "/v1/completions", json=body, timeout=30)
+    url = threaded_cluster.server_url("gen") + "/v1/completions"
+    r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 200 and "[DONE]" in r.text, r.text
+    one = {**body, "disaggregated_params": {**body["disaggregated_params"], "choice_index": 1}}
+    r = httpx.post(url, json=one, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
-    r = httpx.post(threaded_cluster.server_url("gen") + "/v1/completions", json={**body, "n": 1}, timeout=30)
-    assert r.status_code == 200 and "[DONE]" in r.text
+    r = httpx.post(url, json={**one, "n": 1}, timeout=30)
+    assert r.status_code == 200 and '"index":1' in r.text and '"index":0' not in r.text, r.text
 
 
 @pytest.mark.parametrize("stream", [False, True])

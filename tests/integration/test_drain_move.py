@@ -25,7 +25,7 @@ from tests.integration.threaded_cluster import MODEL, ThreadedCluster, env_vars
 TOKEN = "drain-test-token"
 MAX_TOKENS = 100       # ~5 s of decode at the injected step delay: the drain lands mid-stream; 6 fit the KV cache
 STEP_DELAY_S = "0.05"
-GENS = ("gen", "gen1")
+GENS = ("gen", "gen1", "gen2")  # the first test drains one, the n > 1 test another
 GENFIRST_TOKENS = 60   # ~3 s of decode: still mid-stream at the drain
 SESSION = {"X-Session-Id": "drain-test"}  # session affinity: every request of the test on one gen server
 
@@ -33,7 +33,7 @@ SESSION = {"X-Session-Id": "drain-test"}  # session affinity: every request of t
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     with env_vars({"PDSERVE_TEST_STEP_DELAY_S": STEP_DELAY_S, "PDSERVE_ADMIN_TOKEN": TOKEN}):
-        c = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("drain"), num_gen=2,
+        c = ThreadedCluster.start(tiny_model_dir, tmp_path_factory.mktemp("drain"), num_gen=3,
                                   orchestrator={"migration_limit": 2, "session_affinity": "header",
                                                 "kv_aware_balance_threshold": 100})
         try:
@@ -83,11 +83,27 @@ def info(cluster, name: str) -> dict:
     return httpx.get(cluster.server_url(name) + "/server_info", timeout=10).json()
 
 
+def gens_of(cluster) -> list[str]:
+    """The gen servers of ``cluster`` (the generation_first cluster has two, the other three)."""
+    return [g for g in GENS if g in cluster.servers]
+
+
+def busy_gen_of(cluster, names, timeout_s: float = 30.0) -> str:
+    """The first of ``names`` with a request decoding (polls its stats)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in names:
+            if info(cluster, name).get("scheduled_requests", 0) > 0:
+                return name
+        time.sleep(0.05)
+    raise AssertionError(f"none of {names} started decoding")
+
+
 def busy_gen(cluster, timeout_s: float = 30.0) -> str:
     """The gen server with a request decoding (polls its stats)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for name in GENS:
+        for name in gens_of(cluster):
             if info(cluster, name).get("scheduled_requests", 0) > 0:
                 return name
         time.sleep(0.05)
@@ -115,7 +131,7 @@ def wait_empty(cluster, name: str, timeout_s: float) -> float:
 
 def totals(cluster) -> dict:
     out = {}
-    for name in GENS:
+    for name in gens_of(cluster):
         s = info(cluster, name)
         out[name] = (s["tokens_computed"], s["kv_transfer"]["received"]["bytes"], s["kv_moved_sent"]["bytes"])
     return out
@@ -147,18 +163,89 @@ def test_drain_moves_every_stream_without_recompute_in_seconds(cluster):
     # One stream each, equal to the undisturbed run: same text, same usage, nothing repeated or missing.
     assert [results[i] for i in range(len(cases))] == expected * 2
     after = totals(cluster)
-    target = next(g for g in GENS if g != name)
+    targets = [g for g in GENS if g != name]
     moved = info(cluster, name)["requests_moved"]
     assert moved == len(cases), f"{moved} of {len(cases)} requests moved"
     moved_bytes = after[name][2] - before[name][2]
-    assert moved_bytes > 0 and after[target][1] - before[target][1] == moved_bytes  # pulled = parked
+    assert moved_bytes > 0 and sum(after[t][1] - before[t][1] for t in targets) == moved_bytes  # pulled = parked
     # Undisturbed, a gen phase computes MAX_TOKENS - 1 tokens (the ctx server sampled the first);
     # moved, the two gen servers together compute exactly as many: no token is computed twice.
     computed = sum(after[g][0] - before[g][0] for g in GENS)
     assert computed == len(cases) * (MAX_TOKENS - 1)
     # Empty long before its streams would have finished there: they went on decoding elsewhere.
     assert drained_s < 3.0 and streams_s > drained_s + 1.0, (drained_s, streams_s)
-    wait_empty(cluster, target, 10.0)
+    for t in targets:
+        wait_empty(cluster, t, 10.0)
+
+
+CHOICE_CASES = (("/v1/completions", True), ("/v1/chat/completions", True), ("/v1/completions", False))
+
+
+def choices_body(path: str, stream: bool) -> dict:
+    """An n = 2 seeded sampled request (the choices differ)."""
+    return {**body(path, stream), "n": 2, "temperature": 1.0, "seed": 99}
+
+
+def ask_choices(url: str, path: str, b: dict) -> tuple[dict, dict]:
+    """({index: text}, usage) of an n-choice request, stream or not."""
+    texts: dict = {}
+    if not b["stream"]:
+        r = httpx.post(url + path, json=b, timeout=120, headers=SESSION)
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        return {c["index"]: c["message"]["content"] if "chat" in path else c["text"] for c in doc["choices"]}, \
+            tokens_of(doc["usage"])
+    usage = None
+    with httpx.stream("POST", url + path, json=b, timeout=120, headers=SESSION) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event and "moved" not in event, event
+            for c in event.get("choices", []):
+                piece = (c.get("delta") or {}).get("content") or c.get("text") or ""
+                texts[c["index"]] = texts.get(c["index"], "") + piece
+            usage = event.get("usage") or usage
+    assert usage is not None, "no usage chunk"
+    return dict(sorted(texts.items())), tokens_of(usage)
+
+
+def test_drain_hands_n_choices_streams_back_and_each_choice_continues_elsewhere(cluster):
+    """n > 1 on a move_kv drain (the fallback: its KV is not moved): the draining gen server hands
+    each movable n = 2 stream back (``{"moved": {"handed_back": true}}``, blocks freed) and the
+    orchestrator continues each choice on another gen server, prefilled again with its choice index:
+    every answer equals the undisturbed run choice for choice, usage included; the drained server
+    is empty in seconds (it does not wait for them) and sent no KV."""
+    ready = [g for g in GENS if httpx.get(cluster.server_url(g) + "/health", timeout=5).status_code == 200]
+    assert len(ready) >= 2, ready  # one to drain, one to take its choices (the test above may have drained one)
+    expected = [ask_choices(cluster.url, p, choices_body(p, s)) for p, s in CHOICE_CASES]
+    assert all(len(set(texts.values())) == 2 and usage["completion_tokens"] == 2 * MAX_TOKENS
+               for texts, usage in expected), expected
+    before = totals(cluster)
+    results: dict = {}
+
+    def one(i, path, stream):
+        results[i] = ask_choices(cluster.url, path, choices_body(path, stream))
+
+    workers = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s) in enumerate(CHOICE_CASES)]
+    for w in workers:
+        w.start()
+    name = busy_gen_of(cluster, ready)
+    deadline = time.monotonic() + 30
+    while info(cluster, name)["scheduled_requests"] < 2 * len(CHOICE_CASES):
+        assert time.monotonic() < deadline, f"not all choices decode on {name}: {info(cluster, name)}"
+        time.sleep(0.05)
+    time.sleep(0.3)  # a few tokens decoded there
+    assert drain_move(cluster, name)["mode"] == "move_kv"
+    drained_s = wait_empty(cluster, name, 10.0)
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers)
+    assert [results[i] for i in range(len(CHOICE_CASES))] == expected
+    s = info(cluster, name)
+    assert s["requests_handed_back"] == len(CHOICE_CASES) and drained_s < 3.0, (s, drained_s)
+    assert totals(cluster)[name][2] == before[name][2]  # nothing parked for a pull: the fallback recomputes
 
 
 def run_all(cluster, cases, results: dict | None = None, wait: bool = True, max_tokens: int = MAX_TOKENS):
@@ -217,7 +304,7 @@ def test_generation_first_streams_move_too_and_equal_colocated(genfirst_cluster)
     assert [results[i] for i in range(len(cases))] == colocated * 2  # disaggregated and moved == colocated
     assert info(c, name)["requests_moved"] == len(cases)
     after = totals(c)
-    target = next(g for g in GENS if g != name)
+    target = next(g for g in gens_of(c) if g != name)
     moved_bytes = after[name][2] - before[name][2]
     assert moved_bytes > 0 and after[target][1] - before[target][1] == moved_bytes  # pulled = parked
-    assert sum(after[g][0] - before[g][0] for g in GENS) == len(cases) * (n - 1)
+    assert sum(after[g][0] - before[g][0] for g in gens_of(c)) == len(cases) * (n - 1)

@@ -1,4 +1,4 @@
-"""Real processes, tiny random Llama, 1 ctx + 3 gen servers: gen servers that leave mid-decode.
+"""Real processes, tiny random Llama, 1 ctx + 4 gen servers: gen servers that leave mid-decode.
 
 In file order, one gen server fewer after each (one cluster for all three: each start of a real
 server costs the suite seconds):
@@ -12,7 +12,11 @@ server costs the suite seconds):
    pull exactly the KV bytes the drained server sent).
 2. **Kill migrates**: seeded requests whose gen server process is killed mid-decode continue on
    another gen server and equal the undisturbed runs token for token (stream and not).
-3. **Nowhere to move**: SIGTERM to the last gen server: the orchestrator answers ``wait``, its
+3. **Kill continues every unfinished choice** (n > 1): seeded n = 3 and greedy n = 2 requests whose
+   gen server is killed mid-decode continue choice by choice on another gen server (each as an
+   n = 1 request with its ``choice_index``) and equal the undisturbed runs choice for choice; a
+   choice that finished before the kill is not continued.
+4. **Nowhere to move**: SIGTERM to the last gen server: the orchestrator answers ``wait``, its
    stream finishes there, exit 0.
 """
 
@@ -36,6 +40,7 @@ from tests.integration.test_drain_move import ask, body, run_all
 
 STEP_DELAY_S = "0.03"  # gen servers decode slowly enough to be killed mid-stream (~33 tokens/s)
 MAX_TOKENS = 48
+NUM_GEN = 4
 MOVE_TOKENS = 100      # SIGTERM test: ~3 s of decode, the SIGTERM lands mid-stream
 MOVE_CASES = (("/v1/completions", True), ("/v1/chat/completions", True), ("/v1/completions", False))
 SUMMARY = re.compile(r"drained \((\w+)\) in ([\d.]+) s: moved (\d+) request\(s\), (\d+) KV bytes sent; "
@@ -44,12 +49,12 @@ SUMMARY = re.compile(r"drained \((\w+)\) in ([\d.]+) s: moved (\d+) request\(s\)
 
 @pytest.fixture(scope="module")
 def migration_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
-    """1 ctx + 3 gen servers (one for each test to take away). The gen servers run the engine in-process (``executor: inproc``): they
+    """1 ctx + 4 gen servers (one for each test to take away). The gen servers run the engine in-process (``executor: inproc``): they
     start faster, and SIGKILL of the one process leaves no rank behind. Session affinity on a
     header (and a balance threshold above any test's load) puts every request of a test on one gen
     server, so one kill or SIGTERM hits them all."""
     topo = write_topology(tmp_path_factory.mktemp("topo") / "migration.yaml", str(tiny_model_dir), TINY_NAME,
-                          num_gen=3, orchestrator={"migration_limit": 2, "health_interval_s": 0.1,
+                          num_gen=NUM_GEN, orchestrator={"migration_limit": 2, "health_interval_s": 0.1,
                                                    "session_affinity": "header", "kv_aware_balance_threshold": 100})
     doc = yaml.safe_load(topo.read_text())
     doc["pools"]["gen"]["engine"] = {"executor": "inproc"}
@@ -141,7 +146,7 @@ def info(url: str) -> dict:
 
 def gens(c: Cluster) -> dict[str, str]:
     """Live gen servers: process name -> URL."""
-    return {f"gen{i}": c.server_url("gen", i) for i in range(3) if f"gen{i}" in c.procs.procs}
+    return {f"gen{i}": c.server_url("gen", i) for i in range(NUM_GEN) if f"gen{i}" in c.procs.procs}
 
 
 def decoding_gen(c: Cluster, n: int, timeout_s: float = 30.0) -> str:
@@ -252,6 +257,109 @@ def test_killed_gen_server_mid_decode_migrates_and_equals_the_undisturbed_runs(m
     # reproduce a seeded text): the orchestrator handed it more than the ctx server's first token.
     handed = [int(m) for m in re.findall(r"migrating the request \((\d+) generated tokens", c.procs.log("orchestrator"))]
     assert len(handed) == len(CASES) and all(1 < k < MAX_TOKENS for k in handed), handed
+
+
+def choices_body(path: str, stream: bool, n: int, **kw) -> dict:
+    """A seeded n-choice body (sampled unless ``temperature`` 0) with logprobs of token ids."""
+    return {**seeded(path, stream), "n": n, "temperature": 1.0, "seed": 77, **kw}
+
+
+def run_choices(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[dict, dict]:
+    """({index: (text, finish_reason, [output tokens from the logprobs])}, usage) of an n-choice
+    request, stream or not; a stream's chunks merged per index (each index's first chat delta
+    must name the role; one finish reason per index; one usage chunk)."""
+    chat = path.endswith("chat/completions")
+    out: dict = {}
+    if body["stream"]:
+        with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}},
+                          timeout=60, headers=headers) as r:
+            assert r.status_code == 200, r.read()
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert all("error" not in d for d in events), [d for d in events if "error" in d]
+        usages = [d["usage"] for d in events if d.get("usage") and not d["choices"]]
+        assert len(usages) == 1, usages
+        for c in (c for d in events for c in d["choices"]):
+            got = out.setdefault(c["index"], ["", None, []])
+            if chat and not got[0] and not got[2]:
+                assert c["delta"].get("role") == "assistant", c
+            got[0] += (c["delta"].get("content") or "") if chat else c["text"]
+            if c.get("finish_reason"):
+                assert got[1] is None, ("two finish reasons", c)
+                got[1] = c["finish_reason"]
+            if c.get("logprobs"):
+                got[2] += _tokens(c["logprobs"], chat)
+        usage = usages[0]
+    else:
+        r = httpx.post(url + path, json=body, timeout=60, headers=headers)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        usage = d["usage"]
+        assert [c["index"] for c in d["choices"]] == list(range(body["n"]))
+        for c in d["choices"]:
+            out[c["index"]] = [c["message"]["content"] if chat else c["text"], c["finish_reason"],
+                               _tokens(c["logprobs"], chat) if c.get("logprobs") else []]
+    return ({i: tuple(v) for i, v in sorted(out.items())},
+            {k: v for k, v in usage.items() if k != "prompt_tokens_details"})
+
+
+def _tokens(lp: dict, chat: bool) -> list:
+    return [e["token"] for e in lp["content"]] if chat else list(lp["tokens"])
+
+
+def stop_for_choice_0(choices: dict) -> str:
+    """A piece of choice 0's text a few tokens in that no other choice's text holds: a stop string
+    that ends choice 0 early (before the kill) and no other."""
+    text = choices[0][0]
+    for start in range(4, len(text) - 6):
+        piece = text[start:start + 5]
+        if piece.strip() and text.find(piece) == start and all(piece not in t for i, (t, _, _) in choices.items() if i):
+            return piece
+    raise AssertionError(f"no stop string for choice 0 in {text!r}")
+
+
+CHOICE_CASES = ("completions n=3 stop", "chat n=3", "greedy n=2 non-stream")
+
+
+def test_killed_gen_server_continues_every_unfinished_choice_and_equals_the_undisturbed_runs(migration_cluster):
+    c = migration_cluster
+    comp, chat = "/v1/completions", "/v1/chat/completions"
+    probe, _ = run_choices(c.url, comp, choices_body(comp, True, 3))
+    stop = stop_for_choice_0(probe)
+    cases = dict(zip(CHOICE_CASES, [(comp, choices_body(comp, True, 3, stop=[stop])), (chat, choices_body(chat, True, 3)),
+                                    (comp, choices_body(comp, False, 2, temperature=0))]))
+    reference = {k: run_choices(c.url, path, b) for k, (path, b) in cases.items()}
+    early = reference[CHOICE_CASES[0]][0][0]
+    assert early[1] == "stop" and len(early[2]) < DECODED_BEFORE_KILL // 2, early  # choice 0 ends early
+    for name, (choices, usage) in reference.items():
+        going_on = [v for i, v in choices.items() if name != CHOICE_CASES[0] or i]
+        assert all(f == "length" and len(toks) == MAX_TOKENS for _, f, toks in going_on), (name, choices)
+        assert usage["completion_tokens"] == sum(len(t) for _, _, t in choices.values()), (name, usage)
+    greedy = reference[CHOICE_CASES[2]][0]
+    assert greedy[0] == greedy[1]  # greedy choices are alike
+    assert len({v[0] for v in reference[CHOICE_CASES[1]][0].values()}) == 3  # sampled: each choice its own
+    before = {url: counters(url)[0] for url in gens(c).values()}
+    migrated_before = migrations(c)
+    results: dict = {}
+    workers = [threading.Thread(target=lambda k=k, path=path, b=b: results.__setitem__(
+        k, run_choices(c.url, path, b, headers={"X-Session-Id": "choices"})), daemon=True)
+        for k, (path, b) in cases.items()]
+    for w in workers:
+        w.start()
+    victim = busy_gen_server(c, len(cases))
+    # 8 choices decode there (one stops early): kill ~a dozen tokens into the others
+    wait_decoded(victim, before[victim] + DECODED_BEFORE_KILL * 7)
+    assert all(w.is_alive() for w in workers), "a request finished before the kill"
+    kill_gen_server(c, victim)
+    for w in workers:
+        w.join(60)
+    assert sorted(results) == sorted(cases), "a request with continued choices did not finish"
+    for k in cases:  # choice by choice: text, finish reason, tokens (none repeated or missing); usage
+        assert results[k] == reference[k], k
+    log = c.procs.log("orchestrator")
+    continued = re.findall(r"continuing \d+ unfinished choice\(s\) \[([\d, ]+)\]", log)
+    assert sorted(continued) == sorted(["1, 2", "0, 1, 2", "0, 1"]), continued  # the stop case's choice 0 ended
+    assert migrations(c) - migrated_before == 7
 
 
 def test_the_last_gen_server_has_nowhere_to_move_and_drains_by_waiting(migration_cluster):

@@ -66,16 +66,52 @@ def test_num_choices():
 
 
 def test_choices_progress_relays_chunks_and_knows_when_every_choice_ended():
-    p = ChoicesProgress(chat=False, n=2)
+    p = ChoicesProgress.for_body({"n": 2}, chat=False, parser=lambda: None)
     first = p.attempt().absorb({"id": "gen-1", "created": 9, "model": "m",
                                 "choices": [{"index": 1, "text": "a", "finish_reason": None}]})
     assert first["choices"][0]["text"] == "a" and p.head["id"] == "gen-1"
-    p.absorb({"id": "other", "created": 10, "model": "m", "choices": [{"index": 1, "text": "", "finish_reason": "stop"}]})
+    a = p.attempt()
+    a.absorb({"id": "other", "created": 10, "model": "m", "choices": [{"index": 1, "text": "", "finish_reason": "stop"}]})
     assert p.finish_reason is None
-    out = p.absorb({"id": "other", "created": 10, "model": "m",
+    out = a.absorb({"id": "other", "created": 10, "model": "m",
                     "choices": [{"index": 0, "text": "b", "finish_reason": "length"}]})
-    assert out["id"] == "gen-1" and out["created"] == 9 and p.finish_reason == "length"
-    assert p.absorb({"id": "other", "created": 1, "model": "m", "choices": []}) is None
+    assert out["id"] == "gen-1" and out["created"] == 9 and p.finish_reason is not None
+    assert [c.finish_reason for c in p.choices] == ["length", "stop"] and p.choices[0].text == "b"
+    assert a.absorb({"id": "other", "created": 1, "model": "m", "choices": []}) is None
     usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
-    assert p.absorb({"id": "o", "created": 1, "model": "m", "choices": [], "usage": usage})["usage"] == usage
+    assert a.absorb({"id": "o", "created": 1, "model": "m", "choices": [], "usage": usage})["usage"] == usage
     assert p.final_usage() == usage
+    with pytest.raises(ValueError, match="choice index"):
+        a.absorb({"id": "o", "created": 1, "model": "m", "choices": [{"index": 2, "text": "x"}]})
+
+
+def test_a_continued_choice_merges_into_its_index_without_repeats_and_usage_counts_every_choice():
+    """The n-choice stream gives choice 1 some text, then breaks; choice 1's continuation (an n = 1
+    stream from output token 0, its own id and usage) adds only the text past what the client has,
+    re-indexed to 1; its usage-only chunk is dropped, and the request's usage is the prompt once
+    plus every choice's tokens."""
+    p = ChoicesProgress.for_body({"n": 2}, chat=True, parser=lambda: None)
+    p.take_ctx_answer({"id": "ctx", "created": 5, "model": "m", "usage": {"prompt_tokens": 7},
+                       "choices": [{"index": 0, "disaggregated_params": {"first_gen_tokens": [10, 20]}},
+                                   {"index": 1}]})
+    n_stream = p.attempt()
+    first = n_stream.absorb({"id": "g", "created": 1, "model": "m", "choices": [
+        {"index": 1, "delta": {"role": "assistant", "content": "ab"}, "token_ids": [20, 21], "finish_reason": None}]})
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "ab"} and first["id"] == "ctx"
+    n_stream.absorb({"id": "g", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "x"}, "token_ids": [10], "finish_reason": "stop"}]})
+    p.continued = True  # the stream broke: choice 1 continues as its own n = 1 stream
+    cont = p.choices[1].attempt()
+    out = cont.absorb({"id": "other", "created": 2, "model": "m", "choices": [
+        {"index": 1, "delta": {"role": "assistant", "content": "abcd"}, "token_ids": [20, 21, 22, 23],
+         "finish_reason": "length"}]})
+    assert out["choices"][0]["index"] == 1 and out["choices"][0]["delta"] == {"content": "cd"}
+    assert out["id"] == "ctx" and p.choices[1].token_ids == [20, 21, 22, 23]
+    assert cont.absorb({"id": "other", "created": 2, "model": "m", "choices": [],
+                        "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}}) is None
+    assert p.finish_reason is not None
+    assert p.final_usage() == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    doc = p.answer()
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in doc["choices"]] == [
+        (0, "x", "stop"), (1, "abcd", "length")]
+    assert doc["usage"]["completion_tokens"] == 5
