@@ -7,6 +7,13 @@ gate_up [3072, 576], down [576, 1536], and lm_head [49152, 576]: 540 MB in fp32,
 caches, as in the real model) and times one "step" = every product once, for ``rows`` input rows,
 with ``F.linear`` on the plain weights and with ``engine.cpu_linear`` on weights packed once.
 Prints ms per step (median of ``--steps``) and the weight bytes read per ms.
+
+    .venv/bin/python bench/cpu_linear.py --hints 1 8 [--rows 1 2 8 150]
+
+instead compares fp32 packings with the given ``pack_weight`` batch hints: the passes over each
+layout alternate (one pass each, ``--steps`` rounds, so load drifts hit all alike), and each row
+also says whether the products give the same bits as the first hint's. Spinning OpenMP threads
+need ``GOMP_SPINCOUNT=10000`` in the environment (issue 11).
 """
 from __future__ import annotations
 
@@ -50,16 +57,44 @@ def step_ms(ws: list[torch.Tensor], rows: int, dtype: torch.dtype, steps: int) -
     return statistics.median(times)
 
 
+def hint_table(rows_list: list[int], hints: list[int], steps: int) -> None:
+    """fp32: ms per pass (median) over the layouts of each hint, alternating, plus a bit check."""
+    plain = weights(torch.float32)
+    nbytes = sum(w.numel() * w.element_size() for w in plain)
+    packed = {h: [pack_weight(w, h) for w in plain] for h in hints}
+    print("| rows | hint | ms | GB/s | same bits as hint %d |\n|---:|---:|---:|---:|---|" % hints[0])
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in plain}}
+        times: dict[int, list[float]] = {h: [] for h in hints}
+        for i in range(steps + 2):
+            for h in hints:
+                t0 = time.perf_counter()
+                for w in packed[h]:
+                    linear(xs[w.shape[1]], w)
+                if i >= 2:  # two warm-up passes
+                    times[h].append((time.perf_counter() - t0) * 1e3)
+        first = [linear(xs[w.shape[1]], w) for w in packed[hints[0]]]
+        for h in hints:
+            same = all(torch.equal(a, linear(xs[w.shape[1]], w)) for a, w in zip(first, packed[h]))
+            ms = statistics.median(times[h])
+            print(f"| {rows} | {h} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {same} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--hints", type=int, nargs="+", help="fp32 only: compare these batch hints")
     a = p.parse_args()
     if not packing_available():
         sys.exit("this torch build has no oneDNN linear: nothing to compare")
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {a.threads} threads, load average {os.getloadavg()[0]:.2f}")
+    if a.hints:
+        hint_table(a.rows, a.hints, a.steps)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
+        return
     print("| dtype | rows | F.linear ms | packed ms | packed / F.linear | packed GB/s |\n|---|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         plain = weights(dtype)

@@ -19,6 +19,10 @@ a machine that other jobs may share. Per orchestrator and repeat:
 
 Prints medians over the repeats, per target, with the 1-min load average at start and end: CPU
 per request is the number a loaded machine changes least; latencies under load are rough.
+
+``--paired`` (c1 only, no wrk): each prompt goes to base and to this checkout back to back
+(alternating which first), so a load that drifts between runs cancels out of the per-prompt
+differences; prints both sides' medians and the median difference (this - base, ms).
 """
 
 from __future__ import annotations
@@ -53,39 +57,77 @@ def cpu_s(pid: int) -> float:
     return total / 1e9
 
 
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _prompt_request(rng: random.Random) -> bytes:
+    body = json.dumps({"model": "fake-model", "prompt": " ".join(rng.choice(WORDS) for _ in range(32)),
+                       "max_tokens": 16, "stream": True}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+def _one_request(sock: socket.socket, url: str, req: bytes) -> tuple[float, float]:
+    """One streamed completion on a keep-alive connection (bounded by its 10 s socket timeout):
+    (TTFT, E2EL) in ms, first SSE byte / last byte."""
+    t0 = time.perf_counter()
+    sock.sendall(req)
+    buf, first = b"", None
+    while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
+        piece = sock.recv(65536)
+        if not piece:
+            raise RuntimeError(f"{url} closed the connection")
+        buf += piece
+        if first is None and b"data: " in buf:
+            first = time.perf_counter()
+    done = time.perf_counter()
+    if b" 200 " not in buf[:16] or b"[DONE]" not in buf:
+        raise RuntimeError(f"{url} answered {buf[:300]!r}")
+    return 1e3 * ((first or done) - t0), 1e3 * (done - t0)
+
+
 def c1_run(url: str, pid: int, n: int, seed: int) -> dict:
     """``n`` sequential streamed completions over one raw keep-alive connection (bounded: 10 s
     per request); TTFT/E2EL medians (ms, first SSE byte / last byte) and the router's CPU µs/req."""
-    host, port = url.removeprefix("http://").split(":")
     rng = random.Random(seed)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = _connect(url)
     ttft, e2el = [], []
     cpu0 = cpu_s(pid)
     try:
         for _ in range(n):
-            body = json.dumps({"model": "fake-model", "prompt": " ".join(rng.choice(WORDS) for _ in range(32)),
-                               "max_tokens": 16, "stream": True}).encode()
-            req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n" % len(body)) + body
-            t0 = time.perf_counter()
-            sock.sendall(req)
-            buf, first = b"", None
-            while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
-                piece = sock.recv(65536)
-                if not piece:
-                    raise RuntimeError(f"{url} closed the connection")
-                buf += piece
-                if first is None and b"data: " in buf:
-                    first = time.perf_counter()
-            done = time.perf_counter()
-            if b" 200 " not in buf[:16] or b"[DONE]" not in buf:
-                raise RuntimeError(f"{url} answered {buf[:300]!r}")
-            ttft.append(1e3 * ((first or done) - t0))
-            e2el.append(1e3 * (done - t0))
+            t, e = _one_request(sock, url, _prompt_request(rng))
+            ttft.append(t)
+            e2el.append(e)
     finally:
         sock.close()
     return {"ttft_ms": median(ttft), "e2el_ms": median(e2el), "cpu_us": 1e6 * (cpu_s(pid) - cpu0) / n}
+
+
+def paired_c1(base_url: str, this_url: str, n: int, seed: int) -> dict:
+    """``--paired``: ``n`` prompts, each sent to both orchestrators back to back (which one first
+    alternates), one keep-alive connection each: the per-prompt differences this - base (ms) see
+    the same instant of the machine, so a load that drifts between runs cancels out. Returns the
+    medians of both sides and of the differences."""
+    rng = random.Random(seed)
+    socks = {base_url: _connect(base_url), this_url: _connect(this_url)}
+    rows: dict[str, list[tuple[float, float]]] = {base_url: [], this_url: []}
+    try:
+        for i in range(n):
+            req = _prompt_request(rng)
+            for url in ((base_url, this_url) if i % 2 == 0 else (this_url, base_url)):
+                rows[url].append(_one_request(socks[url], url, req))
+    finally:
+        for sock in socks.values():
+            sock.close()
+    b, t = rows[base_url], rows[this_url]
+    return {"base_ttft_ms": median([x[0] for x in b]), "this_ttft_ms": median([x[0] for x in t]),
+            "d_ttft_ms": median([y[0] - x[0] for x, y in zip(b, t)]),
+            "base_e2el_ms": median([x[1] for x in b]), "this_e2el_ms": median([x[1] for x in t]),
+            "d_e2el_ms": median([y[1] - x[1] for x, y in zip(b, t)])}
 
 
 def start_workers(procs: Procs, tok_dir: Path) -> tuple[int, int]:
@@ -130,6 +172,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--wrk-seconds", type=int, default=4)
+    p.add_argument("--paired", action="store_true",
+                   help="c1 only: each prompt to base and this back to back; medians of the differences")
     a = p.parse_args()
     ns = argparse.Namespace(conc=32, wrk_threads=1, wrk_seconds=a.wrk_seconds)
     tok_dir = RESULTS / "overhead" / "tokenizer"
@@ -143,6 +187,8 @@ def main() -> int:
                 targets.update(start_pair(procs, a.base.resolve(), router, style, pa, pb, tok_dir))
         for url, pid in targets.values():
             c1_run(url, pid, 20, 99)  # warm up (kv_cache_aware loads its tokenizer on the first request)
+        if a.paired:
+            return _report_paired(targets, a, load0)
         for rep in range(a.repeats):
             for name, (url, pid) in targets.items():
                 row = c1_run(url, pid, a.requests, rep)
@@ -157,6 +203,25 @@ def main() -> int:
         m = {k: median([r[k] for r in rows]) for k in rows[0]}
         print(f"| {name} | {m['ttft_ms']:.2f} | {m['e2el_ms']:.2f} | {m['cpu_us']:.0f} | {m['wrk_rps']:.0f} | "
               f"{m['wrk_cpu_us']:.0f} |")
+    return 0
+
+
+def _report_paired(targets: dict[str, tuple], a: argparse.Namespace, load0: float) -> int:
+    pairs = [(name.removeprefix("base "), url, targets["this" + name.removeprefix("base")][0])
+             for name, (url, _) in targets.items() if name.startswith("base ")]
+    rows: dict[str, list[dict]] = {}
+    for rep in range(a.repeats):
+        for label, base_url, this_url in pairs:
+            rows.setdefault(label, []).append(paired_c1(base_url, this_url, a.requests, rep))
+        say(f"repeat {rep} done, 1-min load average {loadavg():.1f}")
+    say(f"1-min load average {load0:.1f} -> {loadavg():.1f}; medians of {a.repeats} repeats of "
+        f"{a.requests} paired prompts")
+    print("| router, style | TTFT p50 base | TTFT p50 this | Δ TTFT p50 | E2EL p50 base | E2EL p50 this | Δ E2EL p50 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, rs in rows.items():
+        m = {k: median([r[k] for r in rs]) for k in rs[0]}
+        print(f"| {label} | {m['base_ttft_ms']:.3f} | {m['this_ttft_ms']:.3f} | {m['d_ttft_ms']:+.3f} | "
+              f"{m['base_e2el_ms']:.3f} | {m['this_e2el_ms']:.3f} | {m['d_e2el_ms']:+.3f} |")
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 RULES: list[tuple[str, str, set[str] | None]] = [
     ("sampling", "engine/sampler.py", None),
     ("sampling", "engine/counter_rng.py", None),
-    ("attention gathers", "engine/attention.py", {"_gather"}),
+    ("attention gathers", "engine/attention.py", {"_gather", "_gather_decode"}),
     ("attention KV write", "engine/attention.py", {"write_kv"}),
     ("attention SDPA", "engine/attention.py", None),
     ("RoPE", "engine/layers.py", {"apply_rope", "rope_cos_sin", "lookup", "reserve", "_build"}),

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, PrefillChunk, kv_rows
 
 
 class StepItem(Protocol):
@@ -40,9 +40,11 @@ def first_block(first_query: int, window: int | None, block_size: int) -> int:
 
 
 def build_metadata(items: Sequence[StepItem], pos: torch.Tensor, block_size: int,
-                   window: int | None) -> AttentionMetadata:
+                   window: int | None, num_layers: int | None = None) -> AttentionMetadata:
     """items: decodes (num_new == 1) first, then prefill chunks; pos: [T] their positions.
-    window: None (full attention) or the sliding window in tokens."""
+    window: None (full attention) or the sliding window in tokens. num_layers: the cache's
+    layer count, for the decode rows' one-gather row ids (engine.attention.kv_rows); None: the
+    decode gathers K and V separately."""
     bs = block_size
     tables = [torch.tensor(it.block_ids, dtype=torch.long) for it in items]
     slot_blocks = torch.cat([t[p // bs] for t, p in
@@ -52,6 +54,8 @@ def build_metadata(items: Sequence[StepItem], pos: torch.Tensor, block_size: int
                              decode_tables=None, decode_max_ctx=0, decode_mask=None, prefills=[])
     if n_dec:
         _decode_metadata(meta, items[:n_dec], tables[:n_dec], bs, window)
+        if num_layers is not None:
+            meta.decode_rows = kv_rows(meta.decode_tables, num_layers)
     start = n_dec
     for it, table in zip(items[n_dec:], tables[n_dec:]):
         meta.prefills.append(_chunk(it, table, start, bs, window))

@@ -17,7 +17,8 @@ bfloat16   1     30.6 ms   21.8 ms    8
 bfloat16   8     34.4 ms   20.0 ms    8
 =========  ====  ========  ======  ====
 
-(two runs, load average 0.9 and 1.5; the hint is pack_weight's batch_hint.)
+(two runs, load average 0.9 and 1.5; the hint is pack_weight's batch_hint. fp32 now packs with
+hint 8: see pack_weight.)
 bf16 results are bit-identical to ``F.linear`` (which already runs oneDNN for bf16); fp32 ones
 differ in rounding only (oneDNN's fp32 kernel accumulates in another order: max abs error vs an
 fp64 reference 1e-4 against F.linear's 6e-5 for K = 576). The packed tensor is an opaque oneDNN
@@ -31,7 +32,7 @@ import functools
 import torch
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-DEFAULT_BATCH_HINT = {torch.float32: 1, torch.bfloat16: 8}  # see pack_weight
+DEFAULT_BATCH_HINT = {torch.float32: 8, torch.bfloat16: 8}  # see pack_weight
 
 
 @functools.cache
@@ -51,12 +52,17 @@ def pack_weight(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Te
     """The oneDNN-reordered copy of a CPU linear weight [N, K] (float32 or bfloat16).
 
     batch_hint: the row count the layout is tuned for (any row count works afterwards); None =
-    the dtype's default (DEFAULT_BATCH_HINT). In bf16 a hint of 8 is as fast as any other at 1 to
-    512 rows, while 1 picks a layout 1.3x slower at 1 row and 2x at 8 (30 SmolLM2 layers + lm_head).
-    In fp32 the hint-8 layout is as fast (24 vs 49 ms at 8 rows) but rounds differently enough
-    that SmolLM2's greedy tokens part from HF transformers' within 32 tokens on one of the five
-    oracle prompts (tests/engine/test_model_vs_hf.py); the hint-1 layout keeps them equal, so fp32
-    uses it until the divergence is understood.
+    the dtype's default (DEFAULT_BATCH_HINT), 8 for both dtypes. In bf16 a hint of 8 is as fast as
+    any other at 1 to 512 rows, while 1 picks a layout 1.3x slower at 1 row and 2x at 8 (30
+    SmolLM2 layers + lm_head). In fp32 (torch 2.13's oneDNN, AMD EPYC with AVX-512, 2 threads,
+    spinning OpenMP threads; ``bench/cpu_linear.py --hints 1 8``, docs/benchmarks.md issue 11) the 121 products of
+    one step take 11-12 ms at 1 row and 14.5-15 ms at 8 rows on the hint-8 layout against
+    15.5-16.5 and 24.7-25.4 ms on the hint-1 layout. At 2 rows and more both layouts run the same
+    blocked kernel and give the same bits; at 1 row the hint-1 layout takes a GEMV kernel that
+    rounds differently (both within 3.5e-6 of fp64 for K = 576). SmolLM2's greedy tokens equal
+    HF transformers' with either (12 prompts x 48 tokens, alone and batched, also with
+    ONEDNN_MAX_CPU_ISA=AVX2); an older build parted from HF on one oracle prompt with hint 8,
+    which tests/engine/test_model_vs_hf.py would catch.
     Returns the weight unchanged when it cannot be packed (not on the CPU, another dtype, or no
     oneDNN in this torch build: see packing_available).
     """

@@ -113,7 +113,7 @@ class Gemma3Model:
         for i, w in enumerate(self.layers):
             h = self._attention(offset_rms_norm(x, w.input_norm, eps), w,
                                 *(local if self.sliding[i] else full),
-                                kv_cache[:, i, 0], kv_cache[:, i, 1], metas[self.windows[i]])
+                                kv_cache, i, metas[self.windows[i]])
             x = x + offset_rms_norm(h, w.post_attn_norm, eps)
             h = linear(geglu(linear(offset_rms_norm(x, w.pre_ffn_norm, eps), w.gate_up)), w.down)
             x = x + offset_rms_norm(all_reduce(h, self.tp), w.post_ffn_norm, eps)
@@ -124,7 +124,7 @@ class Gemma3Model:
         return (logits if cap is None else softcap(logits, cap)).float()
 
     def _attention(self, x: torch.Tensor, w: Gemma3LayerWeights, cos: torch.Tensor,
-                   sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   sin: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                    meta: AttentionMetadata) -> torch.Tensor:
         """x [T, H] (normed) -> the attention output [T, H], summed over the TP ranks."""
         hd, sh, eps = self.config.head_dim, self.shard, self.config.rms_norm_eps
@@ -134,7 +134,7 @@ class Gemma3Model:
         k = offset_rms_norm(qkv[:, sh.num_heads:sh.num_heads + sh.num_kv_heads], w.k_norm, eps)
         qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # q and k at once
         v = qkv[:, sh.num_heads + sh.num_kv_heads:]
-        out = paged_attention(qk[:, :sh.num_heads], qk[:, sh.num_heads:], v, cache_k, cache_v,
+        out = paged_attention(qk[:, :sh.num_heads], qk[:, sh.num_heads:], v, kv_cache, layer,
                               meta, scale=self.attn_scale)
         out = all_reduce(linear(out.reshape(t, sh.num_heads * hd), w.o_proj), self.tp)
         return out if w.o_bias is None else out + w.o_bias

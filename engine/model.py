@@ -71,7 +71,7 @@ class LlamaModel:
         cos, sin = self.rope.lookup(positions, max_position)
         for i, w in enumerate(self.layers):
             x = x + self._attention(rms_norm(x, w.attn_norm, c.rms_norm_eps), w, cos, sin,
-                                    kv_cache[:, i, 0], kv_cache[:, i, 1],
+                                    kv_cache, i,
                                     metas[self.windows[i]])
             h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
             x = x + all_reduce(linear(swiglu(linear(h, w.gate_up)), w.down), self.tp)
@@ -81,7 +81,7 @@ class LlamaModel:
         return linear(x, self.lm_head).float()
 
     def _attention(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
-                   cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   kv_cache: torch.Tensor, layer: int,
                    meta: AttentionMetadata) -> torch.Tensor:
         hd, sh = self.config.head_dim, self.shard
         t = x.shape[0]
@@ -94,6 +94,6 @@ class LlamaModel:
         qk = apply_rope(qk, cos, sin)  # q and k at once
         q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]
         v = qkv[:, sh.num_heads + sh.num_kv_heads:]
-        out = paged_attention(q, k, v, cache_k, cache_v, meta)
+        out = paged_attention(q, k, v, kv_cache, layer, meta)
         out = all_reduce(linear(out.reshape(t, sh.num_heads * hd), w.o_proj), self.tp)
         return out if w.o_bias is None else out + w.o_bias

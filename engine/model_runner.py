@@ -80,7 +80,8 @@ def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata
     return dataclasses.replace(meta, slot_blocks=_to(meta.slot_blocks, device),
                                slot_offsets=_to(meta.slot_offsets, device),
                                decode_tables=_to(meta.decode_tables, device),
-                               decode_mask=_to(meta.decode_mask, device), prefills=prefills)
+                               decode_mask=_to(meta.decode_mask, device), prefills=prefills,
+                               decode_rows=_to(meta.decode_rows, device))
 
 
 def _ordered(items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
@@ -137,7 +138,7 @@ class ModelRunner:
         pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
                          for it in plan.items])
         rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
-        metas = {w: build_metadata(plan.items, pos, self.block_size, w)
+        metas = {w: build_metadata(plan.items, pos, self.block_size, w, self.kv_cache.shape[1])
                  for w in set(self.model.windows)}   # full attention and/or each window
         max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
         ids = torch.tensor(plan.input_ids, dtype=torch.long)

@@ -16,6 +16,9 @@
 
 A body without ``seed`` gets one here (63 random bits), so the ctx server, the gen server and a
 migration target sample with the same seed (the engine would otherwise draw one per server).
+The bits come from the ``random`` module (seeded from the OS at import, reseeded in a forked
+child): a sampling seed needs no unpredictability, and ``secrets`` cost a ``getrandom`` call per
+request (2.0 vs 0.14 µs).
 
 That is ``orchestrator.schedule_style: context_first``; ``generation_first`` (both phases sent at
 once, the gen server waits for the ctx server's KV) is :class:`orchestrator.gen_first.GenerationFirstFlow`,
@@ -30,7 +33,7 @@ import dataclasses
 import itertools
 import logging
 import os
-import secrets
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -212,7 +215,7 @@ class DisaggFlow:
             raise OrchestratorError(503, f"no ready gen server ({self._pools.not_ready_reason()})",
                                     kind="gen_failed", type_="service_unavailable")
         if ex.body.get("seed") is None:  # one seed for every server the request meets
-            ex.body = {**ex.body, "seed": secrets.randbits(63)}
+            ex.body = {**ex.body, "seed": random.getrandbits(63)}
         # n > 1 too: each choice's text is parsed here by its own parser (orchestrator.choices)
         ex.parses = self.output_parser(ex) is not None
         hint = ex.hint = await self._route_hint(ex)

@@ -61,7 +61,7 @@ class GenAttempt:
     (a stream) the relay that took it ends. ``lease`` is set once the ctx answer names it.
     """
 
-    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, body: bytes, streamed: bool) -> None:
+    def __init__(self, flow: DisaggFlow, ex: Exchange, server: Server, body: dict, streamed: bool) -> None:
         self.flow, self.ex, self.server = flow, ex, server
         self.streamed = streamed  # the gen request asks for a stream (the client's, or an internal one)
         self.lease: Lease | None = None
@@ -74,15 +74,19 @@ class GenAttempt:
         self._taken = False
 
     async def send(self) -> None:
-        """Write the gen request now (once); a connection that cannot be made is the attempt's
-        failure, raised by :meth:`response` (the ctx request is already out)."""
+        """Encode and write the gen request now (once); a connection that cannot be made is the
+        attempt's failure, raised by :meth:`response` (the ctx request is already out).
+
+        The body (a dict until now) is encoded here, after the ctx request left: the prefill, the
+        TTFT's critical path, does not wait for this encoding."""
         timeout_s = self.flow._settings.request_timeout_s
         self._deadline = asyncio.get_running_loop().time() + timeout_s
         self.server.in_flight += 1
         self.server.served += 1
         self._counted = True
+        body = jsonio.dumps(self._body)
         try:
-            self._pending = await start_post(self.flow._client, self.server, self.ex.endpoint, self._body,
+            self._pending = await start_post(self.flow._client, self.server, self.ex.endpoint, body,
                                              self.ex.request_id, self.flow._auth.get("gen", ()))
         except AttemptFailed as err:
             self._error = err
@@ -229,7 +233,7 @@ class GenerationFirstFlow(DisaggFlow):
         body = {**ex.body, "disaggregated_params": dp}
         if not ex.stream and streamed:  # the internal stream: its usage chunk makes the answer's usage
             body.update(stream=True, stream_options={**(ex.body.get("stream_options") or {}), "include_usage": True})
-        gen = GenAttempt(self, ex, gen_server, jsonio.dumps(body), streamed)
+        gen = GenAttempt(self, ex, gen_server, body, streamed)  # encoded once the ctx request is out
         try:
             answer = await self._context_attempt(ex, ctx_server, then=gen.send)
         except AttemptFailed as err:

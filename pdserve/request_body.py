@@ -9,11 +9,14 @@ accepts the others accept too, and no input reaches code that was not written fo
    that overflows a double (``1e309``), no integer longer than Python's 4,300-digit limit, no
    nesting deeper than :data:`MAX_JSON_DEPTH`, no lone UTF-16 surrogate (``"\\ud800"``, valid
    JSON text but not Unicode, which the tokenizer and every UTF-8 encoder refuse), top level an
-   object. Each is a 400.
+   object. Each is a 400. The common body is parsed by orjson (several times faster), only where
+   its result is the stdlib's: orjson refuses every input above but the long integers, which it
+   would turn into floats, so a body with a run of 19 digits, or one orjson refuses, is parsed
+   by the stdlib as before (the same value, or the same error message).
 3. :func:`validate_request` checks the body against a pydantic model (422 naming the field path).
 
 Every failure is a :class:`BodyError` carrying the HTTP status, the message and the OpenAI
-``param``. Imports only pydantic (the orchestrator never imports torch).
+``param``. Imports only pydantic and orjson (the orchestrator never imports torch).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
+import orjson
 from pydantic import BaseModel, ValidationError
 
 # 32 MiB. The largest valid request is far smaller: a prompt filling a 128k-token context window
@@ -37,6 +41,11 @@ _CONTAINERS = {dict, list}
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # A surrogate can only come from a \\uD800-\\uDFFF escape (strict UTF-8 refuses encoded ones).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Every integer orjson could turn into a float (past 64 bits) holds a run of at least 19 digits:
+# with each digit mapped to b"0" and every other byte to b" ", a run is a substring search (C
+# speed: ~10x a regex search).
+_DIGITS_TO_ZERO = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_LONG_RUN = b"0" * 19
 
 
 class BodyError(ValueError):
@@ -91,6 +100,12 @@ def _finite_float(text: str) -> float:
 
 def decode_json(raw: bytes) -> dict:
     """Parse a body as one strict JSON object (see the module docstring). Raises BodyError 400."""
+    body = _decode_fast(raw)
+    if body is not None:
+        if not isinstance(body, dict):
+            raise BodyError(400, f"request body must be a JSON object, got {type(body).__name__}")
+        check_tree(body, strings=False)  # orjson refuses lone surrogates; the depth is still checked
+        return body
     try:
         # Strict UTF-8 (RFC 8259 §8.1): json.loads(bytes) would also take UTF-16/32 and pass
         # UTF-8-encoded surrogates through ("surrogatepass").
@@ -105,6 +120,20 @@ def decode_json(raw: bytes) -> dict:
         raise BodyError(400, f"request body must be a JSON object, got {type(body).__name__}")
     check_tree(body, strings=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
+
+
+def _decode_fast(raw: bytes) -> object:
+    """orjson's parse of ``raw`` where it is the stdlib's (see the module docstring); None: use the stdlib.
+
+    orjson already refuses what :func:`decode_json` refuses (invalid UTF-8, a BOM, ``NaN``/
+    ``Infinity``, a double overflow, lone surrogates, control characters, extra data); it turns
+    integers past 64 bits into floats, so a body that could hold one is left to the stdlib."""
+    if _LONG_RUN in raw.translate(_DIGITS_TO_ZERO):
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None  # the stdlib gives the error (and its message)
 
 
 def check_tree(body: dict, strings: bool = True) -> None:

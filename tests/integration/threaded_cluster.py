@@ -20,6 +20,7 @@ import yaml
 from executor.http_server import create_server_app
 from executor.server_main import build_inproc_state
 from orchestrator.app import create_app
+from orchestrator.serve_options import SERVE_OPTIONS
 from pdserve.config import load_topology
 from tests.integration.procs import write_topology
 from tests.orchestrator.orch_fakes import ThreadServer
@@ -73,7 +74,8 @@ class ThreadedCluster:
         Stopped by :meth:`stop` with the rest."""
         sock = _socket_on(0)
         orch = self.topology.orchestrator.model_copy(update={**settings, "port": sock.getsockname()[1]})
-        server = ThreadServer(create_app(self.topology.model_copy(update={"orchestrator": orch})), sock)
+        server = ThreadServer(create_app(self.topology.model_copy(update={"orchestrator": orch})), sock,
+                              http=SERVE_OPTIONS["http"])
         self.servers[name] = server.start(timeout_s)
         _wait_healthy(server.url, timeout_s)
         return server.url
@@ -105,7 +107,8 @@ class ThreadedCluster:
                 cfg = topo.server_config(role, i).model_copy(update={"orchestrator_url": ""})
                 app = create_server_app(build_inproc_state(cfg))
                 servers[role if i == 0 else f"{role}{i}"] = ThreadServer(app, _socket_on(cfg.port)).start(timeout_s)
-            servers["orchestrator"] = ThreadServer(create_app(topo), _socket_on(topo.orchestrator.port)).start(timeout_s)
+            servers["orchestrator"] = ThreadServer(create_app(topo), _socket_on(topo.orchestrator.port),
+                                                       http=SERVE_OPTIONS["http"]).start(timeout_s)
             cluster = cls(servers["orchestrator"].url, servers, topo)
             cluster.wait_ready(timeout_s)
         except BaseException:

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from orchestrator.app import create_app
+from orchestrator.serve_options import SERVE_OPTIONS
 from pdserve.config import Topology, parse_topology
 
 from orch_fakes import KV_LAYOUT, MODEL, Behavior, Record, ThreadServer, bind_socket, make_fake_server
@@ -87,7 +88,7 @@ def make_cluster():
         sock = bind_socket()
         topo = make_topology([n.server.port for n in nodes["ctx"]], [n.server.port for n in nodes["gen"]],
                              sock.getsockname()[1], model, **orch)
-        orch_srv = ThreadServer(create_app(topo), sock).start()
+        orch_srv = ThreadServer(create_app(topo), sock, http=SERVE_OPTIONS["http"]).start()
         servers.append(orch_srv)
         cluster = Cluster(orch_srv.url, topo, nodes["ctx"], nodes["gen"], orch_srv, servers)
         clusters.append(cluster)

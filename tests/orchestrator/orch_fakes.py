@@ -316,13 +316,14 @@ def bind_socket() -> socket.socket:
 
 
 class ThreadServer:
-    """Runs an ASGI app with uvicorn in a daemon thread on a pre-bound socket."""
+    """Runs an ASGI app with uvicorn in a daemon thread on a pre-bound socket (``http``: uvicorn's
+    protocol option; an orchestrator gets the one it serves with in production)."""
 
-    def __init__(self, app, sock: socket.socket | None = None) -> None:
+    def __init__(self, app, sock: socket.socket | None = None, http: object = "auto") -> None:
         self.sock = sock or bind_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, http=http)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
