@@ -19,9 +19,14 @@ request's blocks stay with choice 0 and are parked once, if any choice goes on (
 
 Structured output: the n first tokens are drawn from the one row under the request's one grammar
 mask (no token consumed yet); each choice then has its own matcher (:meth:`Sequence.child` forks
-it), which consumes that choice's tokens only. Drain ``move_kv`` never moves a choice: a movable
-n > 1 request is handed back instead (:meth:`engine.llm_engine.LLMEngine.move_out`: every choice
-finishes with ``handed_back``, its blocks freed; the caller continues each choice elsewhere).
+it), which consumes that choice's tokens only.
+
+Drain ``move_kv`` (:meth:`engine.llm_engine.LLMEngine.move_out`): a movable n > 1 request moves
+choice by choice once every unfinished choice sits at a decode step boundary: each finishes with
+``moved``, its own block table parked under ``"<request id>-c<i>"`` (the shared prompt blocks keep
+one reference per choice, so each release frees what that choice held and the last one frees the
+prompt). When a choice cannot be parked, every unfinished choice finishes with ``handed_back``
+instead, its blocks freed (the caller prefills each choice again elsewhere).
 
 Randomness: choice i draws with choice index i (:mod:`engine.sampler`), so seeded choices are
 reproducible and differ from each other, and choice 0 of n draws exactly what the same request
@@ -100,7 +105,8 @@ class Families:
         """Set ``finished`` on the outputs of forked requests (in place; returns ``outputs``).
 
         A request whose choices all finished gets ``finished`` on its last output of this step, which
-        also carries the parked block ids (ctx: choice 0's blocks), and leaves the families."""
+        also carries the parked block ids (ctx: choice 0's blocks), and leaves the families. A moved
+        choice's output keeps its own parked block ids (each choice is parked on its own)."""
         last: dict[str, int] = {}
         for i, out in enumerate(outputs):
             if out.request_id in self._members:
@@ -110,12 +116,13 @@ class Families:
             family = self._members[rid]
             if not all(m.finished for m in family):
                 continue
-            parked = next((o.parked_block_ids for o in outputs
-                           if o.request_id == rid and o.parked_block_ids is not None), None)
-            for o in outputs:
-                if o.request_id == rid:
-                    o.parked_block_ids = None
             outputs[i].finished = True
-            outputs[i].parked_block_ids = parked
+            if outputs[i].moved is None:  # ctx hand-off: choice 0's blocks go with the last output
+                parked = next((o.parked_block_ids for o in outputs
+                               if o.request_id == rid and o.parked_block_ids is not None), None)
+                for o in outputs:
+                    if o.request_id == rid:
+                        o.parked_block_ids = None
+                outputs[i].parked_block_ids = parked
             del self._members[rid]
         return outputs

@@ -105,17 +105,20 @@ class KVConnector:
     def request_finished(self, seq: Sequence) -> bool:
         """seq finished: True when its blocks must outlive it (a CONTEXT_ONLY hand-off: one that goes
         on, or whose other choices do, ``seq.keep_blocks``; or a request moved off a draining engine:
-        finish reason ``"moved"``; parked until :meth:`release`); False: the scheduler frees them now."""
+        finish reason ``"moved"``, parked under ``seq.moved.park_id``: each moved choice of an n > 1
+        request under its own key, its block table holding its own references to the shared prompt
+        blocks; parked until :meth:`release`); False: the scheduler frees them now."""
         self.loading.pop(seq.request_id, None)
         hand_off = seq.phase is Phase.CONTEXT_ONLY and (seq.finish_reason is None or seq.keep_blocks)
         if not hand_off and seq.finish_reason != MOVED:
             return False
         seq.parked = True
-        self.parked[seq.request_id] = seq.block_ids
+        self.parked[seq.moved.park_id if seq.moved is not None else seq.request_id] = seq.block_ids
         return True
 
     def release(self, request_id: str) -> bool:
-        """Free a parked hand-off's blocks. False if it holds none."""
+        """Free a parked hand-off's blocks (``request_id``: the park key, a moved choice's
+        ``MovedKV.park_id``). False if it holds none."""
         blocks = self.parked.pop(request_id, None)
         if blocks is None:
             return False

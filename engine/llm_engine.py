@@ -300,43 +300,65 @@ class LLMEngine:
         another engine to pull. Each such request finishes with reason ``"moved"`` in the next
         :meth:`step`'s outputs, carrying :class:`engine.request.MovedKV`; its blocks stay allocated
         until :meth:`release_parked` (or :meth:`abort_request`). Requests not in decode yet (waiting,
-        pulling, prefilling) are left alone: call again after later steps. Returns the ids moved.
+        pulling, prefilling) are left alone: call again after later steps. Returns the park ids
+        moved (``MovedKV.park_id``: the request id for n = 1).
 
-        A movable n > 1 request is not moved but **handed back** (:meth:`_hand_back`): once every
-        choice that goes on sits at a decode step boundary, each finishes with reason
-        ``"handed_back"`` and its blocks are freed; the caller continues each choice elsewhere by
-        prefilling again (its id is not in the list returned)."""
+        A movable n > 1 request moves choice by choice (:meth:`_move_choices`) once every choice that
+        goes on sits at a decode step boundary: each finishes with ``"moved"``, its blocks parked
+        under ``"<request id>-c<i>"``. When a choice cannot be parked it is **handed back** instead
+        (:meth:`_hand_back`): every unfinished choice finishes with ``"handed_back"``, blocks freed,
+        and the caller continues each choice elsewhere by prefilling again."""
         if self.scheduler.connector is None:
             return []
-        moved = []
+        moved: list[str] = []
         for seq in list(self.scheduler.running):
             if not seq.movable or seq.finished or not seq.in_decode or (seq.request_id, seq.index) in self._to_emit:
                 continue
             family = self.families.members(seq.request_id)
             if family is not None:
-                self._hand_back(family)
+                moved += self._move_choices(family)
                 continue
             if any(b < 0 for b in seq.block_ids):  # a sliding-window hit's NULL_BLOCK entries: nothing to serve
                 continue
-            seq.moved = MovedKV(list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
-                                seq.block_hashes()[:seq.num_computed // self.config.block_size])
-            self._finish(seq, MOVED)
-            moved.append(seq.request_id)
+            if seq.request_id in self.scheduler.connector.parked:  # its id is a moved choice's park id
+                continue
+            moved.append(self._park_moved(seq, None))
         self.requests_moved_out += len(moved)
         return moved
 
-    def _hand_back(self, family: list[Sequence]) -> None:
-        """Finish every unfinished choice of a forked request with ``"handed_back"`` (blocks freed),
-        if all of them sit at a decode step boundary with nothing pending for the caller."""
+    def _park_moved(self, seq: Sequence, choice: int | None) -> str:
+        """Finish ``seq`` with ``"moved"``, its blocks parked under its MovedKV's park id (returned)."""
+        seq.moved = MovedKV(list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
+                            seq.block_hashes()[:seq.num_computed // self.config.block_size],
+                            seq.request_id, choice)
+        self._finish(seq, MOVED)
+        return seq.moved.park_id
+
+    def _move_choices(self, family: list[Sequence]) -> list[str]:
+        """Move every unfinished choice of a forked request (park ids returned), if all of them sit
+        at a decode step boundary with nothing pending for the caller; hand the request back instead
+        when one cannot be parked (NULL_BLOCK entries of a sliding-window hit, or its park id taken).
+        Each choice's block table holds its own reference to the shared prompt blocks
+        (engine.block_manager), so each park and its release count once."""
         going_on = [m for m in family if not m.finished]
         if not going_on or not all(m.in_decode and (m.request_id, m.index) not in self._to_emit for m in going_on):
-            return
+            return []
+        parked = self.scheduler.connector.parked if self.scheduler.connector is not None else {}
+        if any(b < 0 for m in going_on for b in m.block_ids) or any(
+                f"{m.request_id}-c{m.index}" in parked for m in going_on):
+            self._hand_back(going_on)
+            return []
+        return [self._park_moved(m, m.index) for m in going_on]
+
+    def _hand_back(self, going_on: list[Sequence]) -> None:
+        """Finish these unfinished choices of a forked request with ``"handed_back"`` (blocks freed)."""
         for member in going_on:
             self._finish(member, HANDED_BACK)
         self.requests_handed_back += 1
 
     def release_parked(self, request_id: str) -> bool:
-        """Free a CONTEXT_ONLY request's handed-off blocks. False if it holds none."""
+        """Free a CONTEXT_ONLY request's handed-off blocks, or a moved request's / choice's
+        (``request_id``: its ``MovedKV.park_id``). False if it holds none."""
         return self.scheduler.release_parked(request_id)
 
     def has_work(self) -> bool:

@@ -35,8 +35,10 @@ class EngineRequest:
     n: choices (OpenAI's ``n``): one prefill, then n decodes forked from it (engine.choices).
     GENERATION_ONLY with n > 1: first_token_ids (and first_token_logprobs) hold one token per
     choice, in choice order (what the ctx server sampled for each), not consecutive tokens. An
-    n > 1 request is never a moved one's pull (``kv_num_tokens``); a ``movable`` one is handed back
-    on a move_kv drain (LLMEngine.move_out: finish reason ``"handed_back"``, blocks freed).
+    n > 1 request is never a moved one's pull (``kv_num_tokens``); a ``movable`` one is moved choice
+    by choice on a move_kv drain (LLMEngine.move_out: each choice parked under its own id, and
+    continued elsewhere as an n = 1 pull with its ``choice_index``), or handed back when a choice
+    cannot be parked (finish reason ``"handed_back"``, blocks freed).
     choice_index: an n = 1 request that continues choice ``choice_index`` of an n > 1 request (a
     migrated or moved choice): it samples with that choice index (engine.sampler: noise is a function
     of seed, choice and position), so it draws what that choice would have; its outputs carry it as
@@ -68,13 +70,24 @@ class MovedKV:
     (``len(token_ids) - 1``: the last sampled token has no KV yet) sits in the parked blocks
     (``RequestOutput.parked_block_ids``, token order, the last one partial). block_hashes: the
     :mod:`pdserve.block_hash` names of the full blocks among them (partial pulls; [] without a
-    prefix cache).
+    prefix cache). choice_index: None for an n = 1 request; for choice i of an n > 1 request, i
+    (each moved choice has its own parked blocks and lease, :attr:`park_id`).
     """
 
     token_ids: list[int]
     num_prompt_tokens: int
     kv_num_tokens: int
     block_hashes: list[bytes]
+    request_id: str = ""
+    choice_index: int | None = None
+
+    @property
+    def park_id(self) -> str:
+        """The key of the parked blocks (``LLMEngine.release_parked``) and of their lease: the
+        request id for n = 1, ``"<request id>-c<i>"`` for choice i (so choices do not collide)."""
+        if self.choice_index is None:
+            return self.request_id
+        return f"{self.request_id}-c{self.choice_index}"
 
 
 @dataclass
@@ -91,7 +104,8 @@ class RequestOutput:
     new_token_ids entry when sampling.logprobs is set, else None. prompt_logprobs (sampling.
     prompt_logprobs set): one per prompt token (None for the first), on the first output that
     carries output tokens, else None. moved: set on the final output of a request moved off this
-    engine (finish reason ``"moved"``, blocks parked; never an n > 1 request: those are handed back).
+    engine (finish reason ``"moved"``, blocks parked under ``moved.park_id``), and on each moved
+    choice's last output of an n > 1 request (one park per choice; ``parked_block_ids`` that choice's).
 
     n > 1 (EngineRequest.n): each output belongs to one choice, ``index``; ``finish_reason`` and
     ``num_output_tokens`` are that choice's, and ``finished`` marks the request's last output

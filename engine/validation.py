@@ -56,7 +56,7 @@ def validate_request(req: EngineRequest, max_model_len: int, vocab_size: int) ->
 
 def _validate_choices(req: EngineRequest, phase: Phase, max_model_len: int) -> None:
     """n in [1, MAX_CHOICES]; choice_index in [0, MAX_CHOICES) and only with n = 1; n > 1 is not a
-    moved request's pull (a movable n > 1 request is handed back on a drain, LLMEngine.move_out); a GENERATION_ONLY request with n > 1 brings one first token per
+    moved request's pull (a movable n > 1 request moves choice by choice on a drain, LLMEngine.move_out: each as n = 1); a GENERATION_ONLY request with n > 1 brings one first token per
     choice (not later: generation_first does not fork)."""
     if not 1 <= req.n <= MAX_CHOICES:
         raise RequestValidationError(f"request {req.request_id}: n must be in [1, {MAX_CHOICES}], got {req.n}")

@@ -57,6 +57,7 @@ from pdserve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     HANDED_BACK_EVENT,
+    MOVED_CHOICES_KEY,
     DisaggregatedParams,
     KVLayoutModel,
     ModelCard,
@@ -429,18 +430,23 @@ class _Run:
         A request moved off this draining server (finish reason ``moved``) ends with one event
         ``{"moved": disaggregated_params}`` (``answer.moved``: its lease here, token ids so far) and
         ``[DONE]``: no finish chunk, no usage, and no text held back here (the target sends it). A
-        movable n > 1 request handed back by the drain (finish reason ``handed_back``) ends the same
-        way with ``{"moved": {"handed_back": true}}`` (pdserve.protocol.HANDED_BACK_EVENT): no KV
+        movable n > 1 request moved choice by choice ends with ``{"moved": {"choices": [params, ...]}}``
+        (pdserve.protocol.MOVED_CHOICES_KEY: one lease per unfinished choice, ``answer.moved_choices``);
+        one handed back by the drain (a choice could not be parked: finish reason ``handed_back``)
+        ends with ``{"moved": {"handed_back": true}}`` (pdserve.protocol.HANDED_BACK_EVENT): no KV
         is parked; the orchestrator continues each choice by prefilling again."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
         shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
         try:
             out = first
             while out is not None:
-                if out.finished and out.finish_reason == "moved":  # n = 1 only (n > 1 is handed back)
-                    yield self._moved_event(answer)
-                    yield SSE_DONE
-                    return
+                if out.finish_reason == "moved":  # n > 1: one moved output per choice, the last one finished
+                    if out.finished:
+                        yield self._moved_event(answer)
+                        yield SSE_DONE
+                        return
+                    out = await self.next()
+                    continue
                 if out.finish_reason == HANDED_BACK:  # n > 1 on a move_kv drain: each choice goes on elsewhere
                     if out.finished:
                         yield sse_event(HANDED_BACK_EVENT)
@@ -475,6 +481,9 @@ class _Run:
 
     @staticmethod
     def _moved_event(answer: PhaseAnswer | None) -> bytes:
+        if answer is not None and answer.moved_choices:  # n > 1: one lease per moved choice
+            return sse_event({"moved": {MOVED_CHOICES_KEY: [p.model_dump(mode="json", exclude_none=True)
+                                                            for p in answer.moved_choices]}})
         if answer is None or answer.moved is None:  # the role failed the stream instead (never both)
             return sse_event(error_body("the request was moved without its KV parameters", "internal_error", 500))
         return sse_event({"moved": answer.moved.model_dump(mode="json", exclude_none=True)})

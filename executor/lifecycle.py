@@ -16,8 +16,8 @@ Three ways out, watched by :class:`ServerLifecycle` from the HTTP server's main 
   at its next decode step: its KV parked here under a lease, its stream ended with a ``moved``
   event that the orchestrator continues on another gen server, which pulls that KV. Whatever
   cannot move (``wait``, no orchestrator, a stream the orchestrator did not mark movable)
-  finishes here; a movable n > 1 stream is handed back (its choices' KV freed; the orchestrator
-  prefills each choice again elsewhere). In-flight requests and parked KV leases (moved ones until their pull) get
+  finishes here; a movable n > 1 stream moves choice by choice (one lease each), or is handed
+  back when a choice cannot be parked (its choices' KV freed; the orchestrator prefills each again). In-flight requests and parked KV leases (moved ones until their pull) get
   ``engine.drain_grace_s``; then uvicorn's graceful shutdown sends the last bytes. A second
   SIGTERM stops at once; SIGINT (Ctrl-C) keeps uvicorn's behaviour.
 - **Normal shutdown** (the lifespan stops the engine): exit 0.

@@ -170,7 +170,7 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
     ``generation_only`` reports the ctx server's prefix-cache hit (``disagg.cached_tokens``) and
     names the ctx blocks by hash (``disagg.kv_block_hashes``: partial pulls, engine.kv_connector);
     a moved request's pull covers ``disagg.kv_num_tokens`` tokens. ``disagg.movable``: the request
-    may be moved off this server when it drains with ``move_kv`` (n > 1: handed back, its KV freed). ``n`` choices: a ``generation_only`` request's ``first_gen_tokens`` /
+    may be moved off this server when it drains with ``move_kv`` (n > 1: each choice under its own lease, or handed back when one cannot be parked). ``n`` choices: a ``generation_only`` request's ``first_gen_tokens`` /
     ``first_gen_logprobs`` then hold one entry per choice, in choice order (the ctx server's answer,
     engine.choices). ``disagg.choice_index`` (n = 1): the request continues that choice of an n > 1
     request and samples as it (engine.request.EngineRequest.choice_index)."""

@@ -10,7 +10,7 @@ those packages: they hand their handlers in.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import EngineRequest, KVPull, RequestOutput
@@ -22,10 +22,20 @@ from pdserve.protocol import DisaggregatedParams
 @dataclass
 class PhaseAnswer:
     """What a handler adds to the response besides tokens: the ctx answer's params, or ``moved``
-    (the params of a request moved off this draining server; its stream ends with a moved event)."""
+    (the params of a request moved off this draining server; its stream ends with a moved event).
+    ``moved_choices``: an n > 1 request moved choice by choice, one lease's params per moved choice
+    (``choice_index`` set), in the order they were parked."""
 
     disaggregated_params: DisaggregatedParams | None = None
     moved: DisaggregatedParams | None = None
+    moved_choices: list[DisaggregatedParams] = field(default_factory=list)
+
+    def add_moved(self, item: KVMoved) -> None:
+        """Record a move's params: a moved choice's (``choice_index`` set) or an n = 1 request's."""
+        if item.params.choice_index is not None:
+            self.moved_choices.append(item.params)
+        else:
+            self.moved = item.params
 
 
 class PhaseError(RuntimeError):
@@ -62,6 +72,6 @@ class ColocatedPhase:
             if isinstance(item, KVPull):  # cannot happen for this phase; refuse loudly
                 raise PhaseError("engine asked for a KV pull on a colocated request", 500, "internal")
             if isinstance(item, KVMoved):  # drained with move_kv: the final output (reason "moved") follows
-                answer.moved = item.params
+                answer.add_moved(item)
                 continue
             yield item

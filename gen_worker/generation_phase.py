@@ -52,7 +52,7 @@ class GenerationPhase:
             if isinstance(item, KVTransferDone):  # counted by the worker side (pdserve_kv_transfer_*)
                 continue
             if isinstance(item, KVMoved):  # drained with move_kv: the final output (reason "moved") follows
-                answer.moved = item.params
+                answer.add_moved(item)
                 continue
             yield item
 

@@ -16,6 +16,7 @@ never drains this way binds no KV port.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -50,9 +51,20 @@ class KVParking:
         self.layouts: list[KVLayout] = []
         self._sent = TransferStats()
         self.moved_total = 0
+        self._lock = threading.Lock()
+        self._choice_leases: dict[str, set[str]] = {}  # n > 1: request id -> its moved choices' park ids
+
+    def _freed(self, park_id: str) -> None:
+        """A lease ended (any thread): forget it as a choice lease, then free the engine's blocks."""
+        with self._lock:
+            for request_id, ids in list(self._choice_leases.items()):
+                ids.discard(park_id)
+                if not ids:
+                    del self._choice_leases[request_id]
+        self._on_free(park_id)
 
     def _start(self, shards: RankShards) -> None:
-        self.leases = LeaseTable(lambda rid, reason: self._on_free(rid))
+        self.leases = LeaseTable(lambda park_id, reason: self._freed(park_id))
         self.layouts = list(shards.layouts)
         for r, (cache, layout) in enumerate(zip(shards.caches, shards.layouts)):
             port = self.port + r if self.port else 0
@@ -66,11 +78,13 @@ class KVParking:
         log.info("KV parking for moved requests serves at %s", self.servers[0].endpoint)
 
     def park(self, out: RequestOutput, shards: RankShards) -> DisaggregatedParams:
-        """Lease the blocks of ``out`` (a final output with finish reason ``moved``) and return what a
-        target needs: the lease (``ctx_request_id`` = this request's id here, ``kv_endpoint(s)``,
-        ``kv_layout(s)``), ``kv_block_count`` / ``kv_num_tokens`` (prompt + outputs but the last),
-        ``kv_block_hashes`` (partial pulls), ``prompt_token_ids``, ``first_gen_tokens`` (every output
-        token so far: the target samples output position ``len(first_gen_tokens)`` next).
+        """Lease the blocks of ``out`` (an output with finish reason ``moved``: an n = 1 request's
+        final one, or a moved choice's last) and return what a target needs: the lease
+        (``ctx_request_id`` = ``out.moved.park_id``: this request's id here, ``"<id>-c<i>"`` for
+        choice i of an n > 1 request, ``kv_endpoint(s)``, ``kv_layout(s)``), ``kv_block_count`` /
+        ``kv_num_tokens`` (prompt + outputs but the last), ``kv_block_hashes`` (partial pulls),
+        ``prompt_token_ids``, ``first_gen_tokens`` (every output token so far: the target samples
+        output position ``len(first_gen_tokens)`` next) and, for a choice, ``choice_index``.
 
         Raises OSError / RuntimeError when the transceivers cannot start, LeaseError when stopped."""
         moved = out.moved
@@ -79,11 +93,14 @@ class KVParking:
             self._start(shards)
         assert self.leases is not None
         lease_s = self.settings.lease_ms / 1000.0
-        self.leases.park(out.request_id, out.parked_block_ids, moved.kv_num_tokens, lease_s)
+        self.leases.park(moved.park_id, out.parked_block_ids, moved.kv_num_tokens, lease_s)
+        if moved.choice_index is not None:  # no pull before its params leave: registered in time
+            with self._lock:
+                self._choice_leases.setdefault(out.request_id, set()).add(moved.park_id)
         self.moved_total += 1
         layout = self.layouts[0]
         return DisaggregatedParams(
-            request_type="context_only", ctx_request_id=out.request_id,
+            request_type="context_only", ctx_request_id=moved.park_id, choice_index=moved.choice_index,
             prompt_token_ids=moved.token_ids[:moved.num_prompt_tokens],
             first_gen_tokens=moved.token_ids[moved.num_prompt_tokens:],
             kv_endpoint=self.servers[0].endpoint, kv_layout=layout,
@@ -93,8 +110,16 @@ class KVParking:
             cached_tokens=out.num_cached_tokens, kv_block_hashes=[h.hex() for h in moved.block_hashes])
 
     def release(self, request_id: str) -> bool:
-        """Free a moved request's lease now (or once its pull ends). False if there is none."""
-        return self.leases is not None and self.leases.release(request_id)
+        """Free a moved request's lease now (or once its pull ends); ``request_id``: its park id (a
+        moved choice's ``"<id>-c<i>"``), or an n > 1 request's id (every moved choice's lease: an
+        abort). False if there is none."""
+        if self.leases is None:
+            return False
+        if self.leases.release(request_id):
+            return True
+        with self._lock:
+            choices = sorted(self._choice_leases.get(request_id, ()))
+        return any([self.leases.release(park_id) for park_id in choices])
 
     def stats(self) -> dict:
         """``moved_leases`` (parked now), ``requests_moved`` (total), bytes/seconds served."""

@@ -71,13 +71,13 @@ class GenKVRole(WorkerRole):
             self._sources.submitted(request.request_id, disagg)
 
     def on_output(self, out: RequestOutput) -> None:
-        if out.moved is None or not out.finished:
+        if out.moved is None:  # a moved request's final output, or a moved choice's last (n > 1)
             return
         try:
             params = self.parking.park(out, self.shards)
         except (OSError, RuntimeError, LeaseError) as err:  # no lease: free the blocks, fail the stream
-            log.error("request %s: cannot park its KV to move it (%s); failing it", out.request_id, err)
-            self.engine.release_parked(out.request_id)
+            log.error("request %s: cannot park its KV to move it (%s); failing it", out.moved.park_id, err)
+            self.engine.release_parked(out.moved.park_id)
             self.ops.deliver(out.request_id, PhaseError(f"drain could not park this request's KV: {err}", 503,
                                                         "service_unavailable"))
             return

@@ -14,11 +14,20 @@ chunks reach the client one write at a time (a lock), each with its choice's ``i
 ``migration_limit`` counts per choice: the break of the n-choice stream is each continued choice's
 first migration, and a continuation may migrate ``migration_limit - 1`` more times.
 
-A gen server that drains with ``move_kv`` hands a movable n-choice stream back (its last event
-``{"moved": {"handed_back": true}}``: the choices' KV freed, not parked): its unfinished choices
-continue the same way, on other gen servers, prefilled again (a recompute, not a KV move); that
-does not count toward ``migration_limit`` (nothing failed) and the server is not marked unhealthy.
-A continuation is an n = 1 stream: a later drain moves its KV like any n = 1 stream's.
+A gen server that drains with ``move_kv`` moves a movable n-choice stream choice by choice: its
+last event is ``{"moved": {"choices": [params, ...]}}`` (pdserve.protocol.MOVED_CHOICES_KEY), one
+lease per unfinished choice (``choice_index``, ``ctx_request_id`` ``"<id>-c<i>"``,
+``first_gen_tokens``, ``kv_num_tokens``). Each such choice continues as an n = 1
+``generation_only`` pull of its lease on another gen server (:meth:`GenPhase.move
+<orchestrator.migration.GenPhase.move>` with the choice's ``choice_index``): the target computes
+the one token left and samples on as choice i; nothing is prefilled again (a choice whose tokens
+disagree with its lease's is prefilled again instead, its lease released). When a choice could not
+be parked the server hands the stream back instead (its last event ``{"moved": {"handed_back":
+true}}``: the choices' KV freed): its unfinished choices continue the same way as after a break, on
+other gen servers, prefilled again (a recompute). Neither counts toward ``migration_limit``
+(nothing failed) and the server is not marked unhealthy. A continuation is an n = 1 stream: a later
+drain moves its KV like any n = 1 stream's. A lease whose choice the relay already saw finish is
+left to its lease timer (the engine moves unfinished choices only, so none is expected).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+
+from pdserve.protocol import MOVED_CHOICES_KEY
 
 from . import jsonio
 from .choices import ChoicesProgress
@@ -47,10 +58,15 @@ class ChoiceContinuation:
     choice's Progress and ``choice_index``): its first stream is a migration of that choice, or, when
     the choice has no token yet (colocated n-choice stream), a colocated n = 1 stream of it."""
 
-    def __init__(self, phase: GenPhase, progress: Progress) -> None:
-        self._phase, self._progress = phase, progress
+    def __init__(self, phase: GenPhase, progress: Progress, moved: tuple[dict, Server] | None = None) -> None:
+        """``moved``: (this choice's entry of a moved event, the draining gen server that parked it):
+        the first stream pulls that lease (a move) instead of prefilling again."""
+        self._phase, self._progress, self._moved = phase, progress, moved
 
     async def first(self) -> GenStream:
+        if self._moved is not None:
+            entry, source = self._moved
+            return await self._phase.move(self._progress, entry, source)
         if self._progress.token_ids:
             return await self._phase.migrate(self._progress)
         return await self._phase.first()
@@ -63,6 +79,20 @@ class ChoiceContinuation:
 
     def abandon(self) -> None:
         self._phase.abandon()
+
+
+def moved_choices(moved: dict) -> dict[int, dict]:
+    """choice index -> its lease's params, from a moved event's ``disaggregated_params``-like body
+    (``{"choices": [...]}``: pdserve.protocol.MOVED_CHOICES_KEY); {} for a hand-back or anything
+    malformed (those choices are prefilled again)."""
+    entries = moved.get(MOVED_CHOICES_KEY)
+    if not isinstance(entries, list):
+        return {}
+    out: dict[int, dict] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("choice_index"), int) and entry.get("ctx_request_id"):
+            out[entry["choice_index"]] = entry
+    return out
 
 
 class _ChoiceFailed(Exception):
@@ -111,20 +141,25 @@ class ChoicesRelay:
             return None
         broken = self._first.broken
         todo = [c.index for c in self.progress.choices if c.finish_reason is None]
-        handed_back = broken is not None and broken.moved is not None and broken.server is not None
-        if broken is None or not (broken.migratable or handed_back) or not self._limit or not todo:
+        drained = broken is not None and broken.moved is not None and broken.server is not None
+        if broken is None or not (broken.migratable or drained) or not self._limit or not todo:
             return failure
         self.progress.continued = True
+        moved = moved_choices(broken.moved) if drained and broken.moved is not None else {}
+        how = "" if not drained else " (moved by a drain: each pulls its KV)" if moved else \
+            " (handed back by a drain: prefilled again)"
         log.warning("%s; continuing %d unfinished choice(s) %s each on another gen server%s", failure, len(todo),
-                    todo, " (handed back by a drain: prefilled again)" if handed_back else "")
-        exclude = {broken.server.url} if handed_back and broken.server is not None else set()
-        failure = await self._continue(todo, emit, exclude, handed_back)
+                    todo, how)
+        exclude = {broken.server.url} if drained and broken.server is not None else set()
+        leases = {i: (moved[i], broken.server) for i in todo if i in moved and broken.server is not None}
+        failure = await self._continue(todo, emit, exclude, drained, leases)
         self.finished = failure is None
         return failure
 
-    async def _continue(self, todo: list[int], emit: Emit | None, exclude: set[str], handed_back: bool) -> str | None:
-        """Continue choices ``todo`` concurrently (not on the gen servers in ``exclude``); the failure's
-        message, or None when all finished."""
+    async def _continue(self, todo: list[int], emit: Emit | None, exclude: set[str], drained: bool,
+                        leases: dict[int, tuple[dict, Server]]) -> str | None:
+        """Continue choices ``todo`` concurrently (not on the gen servers in ``exclude``; choice i in
+        ``leases`` pulls its moved lease); the failure's message, or None when all finished."""
         lock = asyncio.Lock()
 
         async def one_at_a_time(data: bytes) -> None:
@@ -139,7 +174,8 @@ class ChoicesRelay:
                 try:
                     async with asyncio.TaskGroup() as group:
                         for i in todo:
-                            group.create_task(self._one(i, out, exclude, handed_back), name=f"choice-{i}")
+                            group.create_task(self._one(i, out, exclude, drained, leases.get(i)),
+                                              name=f"choice-{i}")
                 except* (_ChoiceFailed, OrchestratorError) as err:
                     # the first failure cancelled the other continuations: it is the client's error
                     first = err.exceptions[0]
@@ -148,15 +184,17 @@ class ChoicesRelay:
             return "the request's deadline passed while its choices continued"
         return failures[0] if failures else None
 
-    async def _one(self, i: int, emit: Emit | None, exclude: set[str], handed_back: bool) -> None:
-        """Continue choice ``i`` to its end (``handed_back``: by a drain, which is no failure: the
-        continuation keeps the whole ``migration_limit``). Raises _ChoiceFailed, OrchestratorError."""
+    async def _one(self, i: int, emit: Emit | None, exclude: set[str], drained: bool,
+                   lease: tuple[dict, Server] | None) -> None:
+        """Continue choice ``i`` to its end (``drained``: after a drain, which is no failure: the
+        continuation keeps the whole ``migration_limit``; ``lease``: its moved KV to pull, with the
+        server that parked it). Raises _ChoiceFailed, OrchestratorError."""
         progress = self.progress.choices[i]
-        source = ChoiceContinuation(self._continuation(i, exclude), progress)
-        limit = self._limit if handed_back else self._limit - 1
+        source = ChoiceContinuation(self._continuation(i, exclude), progress, lease)
+        limit = self._limit if drained else self._limit - 1
         relay = GenRelay(progress, source, max(limit, 0), self._metrics, self._endpoint, self._deadline_s, False)
         self._more.append(relay)
-        self._metrics.migrations.inc()
+        (self._metrics.moves if lease is not None else self._metrics.migrations).inc()
         try:
             failure = await relay.run(emit)
             if failure is not None:

@@ -174,7 +174,7 @@ class GenPhase:
     def _request_side(self, dp: dict[str, Any]) -> None:
         """The request-side fields of a gen request's ``disaggregated_params`` (set on ``dp``)."""
         if self._token_ids:  # the relay knows every token: it can migrate the stream, or move it on a drain
-            dp["stream_token_ids"] = dp["movable"] = True  # n > 1: a drain hands it back (orchestrator.choices)
+            dp["stream_token_ids"] = dp["movable"] = True  # n > 1: a drain moves each choice (orchestrator.choices_relay)
         if self._ex.parses:  # the relay parses the text it assembles
             dp["raw_output"] = True
         if self._ex.choice_index is not None:  # continues one choice of an n > 1 request (orchestrator.choices)

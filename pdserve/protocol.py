@@ -65,6 +65,11 @@ class KVLayoutModel(BaseModel):
 # The last event of a movable n > 1 stream handed back by a gen server draining with move_kv (its
 # choices' KV freed, not parked; the orchestrator continues each choice elsewhere by prefilling again).
 HANDED_BACK_EVENT = {"moved": {"handed_back": True}}
+# The last event of a movable n > 1 stream moved choice by choice by a gen server draining with
+# move_kv: {"moved": {MOVED_CHOICES_KEY: [params, ...]}}, one lease's disaggregated_params per
+# unfinished choice (``choice_index``, ``ctx_request_id`` "<request id>-c<i>", ``first_gen_tokens``,
+# ``kv_num_tokens``, ...); the orchestrator continues each as an n = 1 pull of that lease.
+MOVED_CHOICES_KEY = "choices"
 
 MAX_CHOICES = 16  # `n` at most; the engine's limit (engine.request.MAX_CHOICES) is the same
 
@@ -116,14 +121,16 @@ class DisaggregatedParams(BaseModel):
     movable: StrictBool | None = Field(
         None, description="request side (streams only): if this server drains with move_kv, the stream may end "
                           "with a `moved` event (the request's KV parked here for another gen server to pull; "
-                          "n > 1: HANDED_BACK_EVENT, no KV parked)")
+                          "n > 1: one lease per unfinished choice, MOVED_CHOICES_KEY; HANDED_BACK_EVENT, no KV parked, "
+                          "when a choice cannot be parked)")
     kv_num_tokens: Count | None = Field(
         None, description="moved request: the lease holds the KV of this many tokens (prompt + first_gen_tokens "
                           "but the last), not only the prompt's")
     choice_index: Annotated[int, Field(ge=0, lt=MAX_CHOICES, strict=True)] | None = Field(
         None, description="request side, n = 1 only: this request continues choice `choice_index` of an n > 1 "
-                          "request (a migrated choice): it samples with that choice index and its chunks carry "
-                          "`index: choice_index`")
+                          "request (a migrated or moved choice): it samples with that choice index and its chunks "
+                          "carry `index: choice_index`; in a moved event's `choices` entries: the choice whose "
+                          "KV that lease holds")
     raw_output: StrictBool | None = Field(
         None, description="request side: the caller assembles the client's text itself and parses tool calls and "
                           "reasoning out of it (pdserve.output_parser); the server streams the text unparsed")

@@ -1,5 +1,7 @@
 """n > 1 with the features beside it in the engine: each choice's own structured-output matcher
-(colocated and ctx -> gen), and drain ``move_kv`` passing over n > 1 requests (never movable)."""
+(colocated and ctx -> gen), and drain ``move_kv`` of n > 1 requests: each movable one's choices are
+parked one by one and continued elsewhere (or handed back when one cannot be parked); a request not
+movable is passed over."""
 import json
 
 import jsonschema
@@ -73,32 +75,110 @@ def test_an_n_choices_request_cannot_be_a_moved_pull(tiny_engine):
     assert not tiny_engine.has_work()
 
 
-def test_move_out_hands_a_movable_n_choices_request_back(tiny_engine_factory):
-    """A drain with move_kv: a movable n = 3 request's choices all finish with ``handed_back`` at one
-    decode step boundary (one final output, no new token in it, every block freed); the tokens
-    they had equal the undisturbed run's first ones (the caller continues each choice from there)."""
-    eng = tiny_engine_factory(num_kv_blocks=64, block_size=16)
-    prompt = [300 + (i * 7) % 997 for i in range(21)]
-    ref, _ = run_choices(eng, [EngineRequest("ref", prompt, greedy(12), n=3)])
-    eng.add_request(EngineRequest("three", prompt, greedy(12), n=3, movable=True))
-    tokens, finals, moved = {}, [], []
-    for _ in range(3):  # prefill + fork, then two decode steps
-        for o in eng.step().outputs:
-            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
-    moved += eng.move_out()
-    for _ in range(100):
+def _seeded(n):
+    return SamplingParams(max_tokens=n, temperature=0.9, seed=4321, ignore_eos=True)
+
+
+def _step_until_moved(eng, tokens, max_steps=100):
+    """Step ``eng`` to idle; the outputs with a finish reason (every token recorded in ``tokens``)."""
+    finals = []
+    for _ in range(max_steps):
         if not eng.has_work():
             break
         for o in eng.step().outputs:
             tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
-            finals.append(o)
-    assert moved == [] and eng.requests_handed_back == 1
+            if o.finish_reason is not None:
+                finals.append(o)
+    return finals
+
+
+def _continue_choice(dst, src, out, params, rid):
+    """Continue a moved choice on ``dst`` as an n = 1 generation_only pull with its choice index (as a
+    target gen server does: copy the blocks the KVPull names from the parked ones); returns (its
+    tokens, tokens computed in the first step after the KV landed)."""
+    moved = out.moved
+    prompt, first = moved.token_ids[:moved.num_prompt_tokens], moved.token_ids[moved.num_prompt_tokens:]
+    dst.add_request(EngineRequest(rid, prompt, params, phase=Phase.GENERATION_ONLY, first_token_ids=first,
+                                  kv_num_tokens=moved.kv_num_tokens, source_block_hashes=moved.block_hashes,
+                                  choice_index=moved.choice_index))
+    (pull,) = dst.step().kv_pulls
+    src_blocks = out.parked_block_ids[pull.first_block:pull.first_block + len(pull.block_ids)]
+    assert len(src_blocks) == len(pull.block_ids)
+    if src_blocks:
+        dst.kv_cache[pull.block_ids] = src.kv_cache[src_blocks]
+    dst.kv_ready(rid, ok=True)
+    computed0 = dst.stats()["tokens_computed"]
+    tokens = [t for o in dst.step().outputs for t in o.new_token_ids]
+    first_step = dst.stats()["tokens_computed"] - computed0
+    while dst.has_work():
+        tokens += [t for o in dst.step().outputs for t in o.new_token_ids]
+    return tokens, first_step
+
+
+def test_move_out_parks_each_choice_and_targets_continue_them(tiny_engine_factory):
+    """A drain with move_kv: a movable seeded n = 3 request moves choice by choice at one decode step
+    boundary, each choice's blocks parked under ``"<id>-c<i>"`` (the full prompt block shared by all
+    three, reference-counted); each continued on another engine as an n = 1 pull with its choice
+    index computes exactly one token before it samples on and equals the undisturbed choice; the
+    parks free every block only when the last one is released."""
+    src, dst = (tiny_engine_factory(num_kv_blocks=64, block_size=16) for _ in range(2))
+    prompt = [300 + (i * 7) % 997 for i in range(21)]  # one full prompt block (shared), one partial (copied)
+    ref, _ = run_choices(src, [EngineRequest("ref", prompt, _seeded(12), n=3)])
+    assert len({tuple(t) for t in choices_of(ref, "ref", 3)}) == 3  # seeded choices differ
+    src.reset_prefix_cache()
+    src.add_request(EngineRequest("three", prompt, _seeded(12), n=3, movable=True))
+    tokens: dict = {}
+    for _ in range(3):  # prefill + fork, then two decode steps
+        for o in src.step().outputs:
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    assert src.move_out() == ["three-c0", "three-c1", "three-c2"]
+    finals = _step_until_moved(src, tokens)
+    assert sorted(o.index for o in finals) == [0, 1, 2] and {o.finish_reason for o in finals} == {"moved"}
+    assert [o.finished for o in finals].count(True) == 1 and not any(o.new_token_ids for o in finals)
+    by_choice = {o.index: o for o in finals}
+    assert [by_choice[i].moved.park_id for i in range(3)] == ["three-c0", "three-c1", "three-c2"]
+    assert len({by_choice[i].parked_block_ids[0] for i in range(3)}) == 1  # the shared full prompt block
+    assert len({by_choice[i].parked_block_ids[1] for i in range(3)}) == 3  # each choice's own copy
+    for i in range(3):
+        got, out = tokens[("three", i)], by_choice[i]
+        assert 0 < len(got) < 12 and got == ref[("ref", i)][:len(got)]
+        assert out.moved.token_ids == prompt + got and out.moved.kv_num_tokens == len(prompt) + len(got) - 1
+        after, first_step = _continue_choice(dst, src, out, _seeded(12), f"t{i}")
+        assert after == ref[("ref", i)] and first_step == 1  # first_gen_tokens re-emitted, then the rest
+    assert src.stats()["requests_moved_out"] == 3
+    assert src.release_parked("three-c0") and src.release_parked("three-c1")
+    assert src.num_free_blocks < src.config.num_kv_blocks  # c2 still holds the shared prompt block
+    assert src.release_parked("three-c2") and not src.release_parked("three")
+    assert src.num_free_blocks == src.config.num_kv_blocks
+    assert dst.num_free_blocks == dst.config.num_kv_blocks
+
+
+def test_move_out_hands_choices_back_when_one_cannot_be_parked(tiny_engine_factory):
+    """The fallback: a choice's park id is taken (a moved n = 1 request named ``"x-c1"`` is parked),
+    so the n = 3 request ``x`` is handed back: every choice finishes with ``handed_back`` at one
+    decode step boundary (no new token, its blocks freed), its tokens the undisturbed run's first."""
+    eng = tiny_engine_factory(num_kv_blocks=64, block_size=16)
+    prompt = [300 + (i * 7) % 997 for i in range(21)]
+    ref, _ = run_choices(eng, [EngineRequest("ref", prompt, greedy(12), n=3)])
+    eng.add_request(EngineRequest("x-c1", prompt, greedy(12), movable=True))
+    tokens: dict = {}
+    for _ in range(3):
+        for o in eng.step().outputs:
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    assert eng.move_out() == ["x-c1"]
+    _step_until_moved(eng, tokens)
+    eng.add_request(EngineRequest("x", prompt, greedy(12), n=3, movable=True))
+    for _ in range(3):  # prefill + fork, then two decode steps
+        for o in eng.step().outputs:
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    assert eng.move_out() == [] and eng.requests_handed_back == 1
+    finals = _step_until_moved(eng, tokens)
     assert sorted(o.index for o in finals) == [0, 1, 2] and {o.finish_reason for o in finals} == {"handed_back"}
     assert [o.finished for o in finals].count(True) == 1 and not any(o.new_token_ids for o in finals)
     for i in range(3):
-        got = tokens[("three", i)]
+        got = tokens[("x", i)]
         assert 0 < len(got) < 12 and got == ref[("ref", i)][:len(got)]
-    assert eng.num_free_blocks == eng.config.num_kv_blocks
+    assert eng.release_parked("x-c1") and eng.num_free_blocks == eng.config.num_kv_blocks
 
 
 def test_move_out_passes_over_choices_and_they_finish(tiny_engine_factory):

@@ -7,7 +7,8 @@ text and usage too); no recompute (the two gen servers together compute exactly 
 undisturbed gen server computes, and the target pulls exactly the bytes the drained server sent);
 a server with several running streams is empty within seconds; every KV pool is full afterwards.
 The same for generation_first requests (a second cluster; a non-stream one is streamed internally),
-whose moved answers equal the colocated run.
+whose moved answers equal the colocated run. And n = 2 streams, moved choice by choice (one lease
+per choice, each continued as an n = 1 pull with its choice index).
 """
 
 from __future__ import annotations
@@ -211,18 +212,22 @@ def ask_choices(url: str, path: str, b: dict) -> tuple[dict, dict]:
     return dict(sorted(texts.items())), tokens_of(usage)
 
 
-def test_drain_hands_n_choices_streams_back_and_each_choice_continues_elsewhere(cluster):
-    """n > 1 on a move_kv drain (the fallback: its KV is not moved): the draining gen server hands
-    each movable n = 2 stream back (``{"moved": {"handed_back": true}}``, blocks freed) and the
-    orchestrator continues each choice on another gen server, prefilled again with its choice index:
-    every answer equals the undisturbed run choice for choice, usage included; the drained server
-    is empty in seconds (it does not wait for them) and sent no KV."""
+def test_drain_moves_each_choice_of_n_choices_streams_without_recompute(cluster):
+    """n > 1 on a move_kv drain: the draining gen server parks each unfinished choice of a movable
+    seeded n = 2 stream under its own lease (``"<id>-c<i>"``) and ends the stream with one moved
+    entry per choice; the orchestrator continues each choice as an n = 1 pull of its lease on
+    another gen server, with its choice index. Every answer equals the undisturbed run choice for
+    choice, usage included; the targets pull exactly the bytes the drained server sent; no token is
+    computed twice (each target computes the one token left per moved choice, then decodes on: the
+    gen servers together compute what undisturbed ones do); nothing is handed back; the drained
+    server is empty in seconds and every gen KV pool is full afterwards."""
     ready = [g for g in GENS if httpx.get(cluster.server_url(g) + "/health", timeout=5).status_code == 200]
     assert len(ready) >= 2, ready  # one to drain, one to take its choices (the test above may have drained one)
     expected = [ask_choices(cluster.url, p, choices_body(p, s)) for p, s in CHOICE_CASES]
     assert all(len(set(texts.values())) == 2 and usage["completion_tokens"] == 2 * MAX_TOKENS
                for texts, usage in expected), expected
     before = totals(cluster)
+    stats0 = {g: info(cluster, g) for g in ready}
     results: dict = {}
 
     def one(i, path, stream):
@@ -238,14 +243,29 @@ def test_drain_hands_n_choices_streams_back_and_each_choice_continues_elsewhere(
         time.sleep(0.05)
     time.sleep(0.3)  # a few tokens decoded there
     assert drain_move(cluster, name)["mode"] == "move_kv"
+    t0 = time.monotonic()
     drained_s = wait_empty(cluster, name, 10.0)
     for w in workers:
         w.join(120)
     assert not any(w.is_alive() for w in workers)
+    streams_s = time.monotonic() - t0
     assert [results[i] for i in range(len(CHOICE_CASES))] == expected
     s = info(cluster, name)
-    assert s["requests_handed_back"] == len(CHOICE_CASES) and drained_s < 3.0, (s, drained_s)
-    assert totals(cluster)[name][2] == before[name][2]  # nothing parked for a pull: the fallback recomputes
+    moved_choices = 2 * len(CHOICE_CASES)
+    assert s["requests_moved"] - stats0[name]["requests_moved"] == moved_choices, s  # one lease per choice
+    assert s["requests_handed_back"] == stats0[name]["requests_handed_back"], s  # not the fallback
+    assert drained_s < 3.0 and streams_s > drained_s + 1.0, (drained_s, streams_s)
+    after = totals(cluster)
+    targets = [g for g in ready if g != name]
+    moved_bytes = after[name][2] - before[name][2]
+    assert moved_bytes > 0 and sum(after[t][1] - before[t][1] for t in targets) == moved_bytes  # pulled = parked
+    # Undisturbed, each choice's gen phase computes MAX_TOKENS - 1 tokens (the ctx server sampled the
+    # first); moved, the gen servers together compute exactly as many: the pull brings the KV of every
+    # token but the last, so each target computes that one and then one per new token.
+    computed = sum(after[g][0] - before[g][0] for g in ready)
+    assert computed == moved_choices * (MAX_TOKENS - 1), computed
+    for t in targets:
+        wait_empty(cluster, t, 10.0)
 
 
 def run_all(cluster, cases, results: dict | None = None, wait: bool = True, max_tokens: int = MAX_TOKENS):

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from orchestrator.choices import ChoicesProgress, all_finished, num_choices
+from orchestrator.choices_relay import moved_choices
 from orchestrator.disagg import check_ctx_answer
 from orchestrator.sse import answer_to_events
 from orchestrator.upstream import AttemptFailed
@@ -115,3 +116,13 @@ def test_a_continued_choice_merges_into_its_index_without_repeats_and_usage_coun
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in doc["choices"]] == [
         (0, "x", "stop"), (1, "abcd", "length")]
     assert doc["usage"]["completion_tokens"] == 5
+
+
+def test_moved_choices_reads_one_lease_per_choice_and_nothing_from_a_hand_back():
+    """A drain's moved event for an n > 1 stream: choice index -> its lease's params; a hand-back or
+    an entry without a choice index or lease id gives nothing to pull (that choice is prefilled again)."""
+    c0 = {"choice_index": 0, "ctx_request_id": "r-c0", "first_gen_tokens": [5, 6], "kv_num_tokens": 9}
+    c1 = {"choice_index": 1, "ctx_request_id": "r-c1", "first_gen_tokens": [7, 8], "kv_num_tokens": 9}
+    assert moved_choices({"choices": [c1, c0]}) == {0: c0, 1: c1}
+    assert moved_choices({"handed_back": True}) == {}
+    assert moved_choices({"choices": [{"ctx_request_id": "r-c0"}, {"choice_index": 1}, "x"]}) == {}
