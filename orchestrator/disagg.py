@@ -313,14 +313,7 @@ class DisaggFlow:
         if ex.stream:
             head = None if first is None else b"data: " + jsonio.dumps(progress.first_chunk(first)) + b"\n\n"
             return StreamAnswer(relay, source, head, ex.started_s, self._metrics, ex.endpoint)
-        try:
-            failure = await relay.run(None)
-        finally:
-            if not relay.finished:
-                source.abandon()
-        if failure is not None:
-            raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
-                                    type_="service_unavailable")
+        await run_to_end(relay, source)
         answer = progress.answer()
         if ex.colocated and relay.migrations == 0 and phase.first_stream is not None:
             self._check_hits("gen", ex, phase.first_stream.predicted, answer)  # its hit is its own
@@ -348,14 +341,7 @@ class DisaggFlow:
                              ex.started_s + self._settings.request_timeout_s, include_usage)
         if ex.stream:
             return StreamAnswer(relay, source, None, ex.started_s, self._metrics, ex.endpoint)  # type: ignore[arg-type]
-        try:
-            failure = await relay.run(None)
-        finally:
-            if not relay.finished:
-                source.abandon()
-        if failure is not None:
-            raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
-                                    type_="service_unavailable")
+        await run_to_end(relay, source)
         return self._json_response(ex, progress.answer())
 
     def _choice_phase(self, ex: Exchange, hint: RouteHint | None, progress: ChoicesProgress, i: int,
@@ -527,3 +513,16 @@ def check_ctx_answer(answer: dict, n: int = 1, first_index: int = 0) -> None:
     params = choice.get("disaggregated_params")
     if not isinstance(params, dict) or not params.get("ctx_request_id"):
         raise AttemptFailed("ctx answer has neither finish_reason nor disaggregated_params.ctx_request_id")
+
+
+async def run_to_end(relay: "GenRelay | ChoicesRelay", source: GenSource) -> None:
+    """A non-stream request's gen phase: run ``relay`` to its end (no client writes); the source's
+    lease is abandoned if it did not finish. Raises OrchestratorError 503 with the relay's failure."""
+    try:
+        failure = await relay.run(None)
+    finally:
+        if not relay.finished:
+            source.abandon()
+    if failure is not None:
+        raise OrchestratorError(503, f"generation phase failed: {failure}", kind="gen_failed",
+                                type_="service_unavailable")
