@@ -130,6 +130,25 @@ def wait_empty(cluster, name: str, timeout_s: float) -> float:
     raise AssertionError(f"{name} still busy after {timeout_s} s: {info(cluster, name)}")
 
 
+
+def drain_mid_decode(cluster, name: str, sequences: int, workers: list) -> tuple[float, float]:
+    """Once ``sequences`` sequences decode on gen server ``name`` (bounded: 30 s), drain it with
+    move_kv; wait for it to empty (10 s) and for the client threads (120 s each). Returns (seconds
+    until the server was empty, seconds until every stream ended), both from the drain."""
+    deadline = time.monotonic() + 30
+    while info(cluster, name)["scheduled_requests"] < sequences:
+        assert time.monotonic() < deadline, f"not all {sequences} sequences decode on {name}: {info(cluster, name)}"
+        time.sleep(0.05)
+    time.sleep(0.3)  # a few tokens decoded there
+    assert drain_move(cluster, name)["mode"] == "move_kv"
+    t0 = time.monotonic()
+    drained_s = wait_empty(cluster, name, 10.0)
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers)
+    return drained_s, time.monotonic() - t0
+
+
 def totals(cluster) -> dict:
     out = {}
     for name in gens_of(cluster):
@@ -149,18 +168,7 @@ def test_drain_moves_every_stream_without_recompute_in_seconds(cluster):
     results: dict = {}
     workers = run_all(cluster, cases, results, wait=False)
     name = busy_gen(cluster)
-    deadline = time.monotonic() + 30
-    while info(cluster, name)["scheduled_requests"] < len(cases):
-        assert time.monotonic() < deadline, f"not all {len(cases)} requests decode on {name}: {info(cluster, name)}"
-        time.sleep(0.05)
-    time.sleep(0.3)  # a few tokens decoded there
-    assert drain_move(cluster, name)["mode"] == "move_kv"
-    t0 = time.monotonic()
-    drained_s = wait_empty(cluster, name, 10.0)
-    for w in workers:
-        w.join(120)
-    assert not any(w.is_alive() for w in workers)
-    streams_s = time.monotonic() - t0
+    drained_s, streams_s = drain_mid_decode(cluster, name, len(cases), workers)
     # One stream each, equal to the undisturbed run: same text, same usage, nothing repeated or missing.
     assert [results[i] for i in range(len(cases))] == expected * 2
     after = totals(cluster)
@@ -237,18 +245,7 @@ def test_drain_moves_each_choice_of_n_choices_streams_without_recompute(cluster)
     for w in workers:
         w.start()
     name = busy_gen_of(cluster, ready)
-    deadline = time.monotonic() + 30
-    while info(cluster, name)["scheduled_requests"] < 2 * len(CHOICE_CASES):
-        assert time.monotonic() < deadline, f"not all choices decode on {name}: {info(cluster, name)}"
-        time.sleep(0.05)
-    time.sleep(0.3)  # a few tokens decoded there
-    assert drain_move(cluster, name)["mode"] == "move_kv"
-    t0 = time.monotonic()
-    drained_s = wait_empty(cluster, name, 10.0)
-    for w in workers:
-        w.join(120)
-    assert not any(w.is_alive() for w in workers)
-    streams_s = time.monotonic() - t0
+    drained_s, streams_s = drain_mid_decode(cluster, name, 2 * len(CHOICE_CASES), workers)
     assert [results[i] for i in range(len(CHOICE_CASES))] == expected
     s = info(cluster, name)
     moved_choices = 2 * len(CHOICE_CASES)

@@ -74,16 +74,20 @@ def seeded(path: str, stream: bool) -> dict:
     return {**body, "prompt": "Once upon a time, by the sea,", "logprobs": 2}
 
 
+def stream_events(url: str, path: str, body: dict, headers: dict | None) -> list[dict]:
+    """Every ``data:`` event of one streamed request (usage asked for), [DONE] left out."""
+    with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}},
+                      timeout=60, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
 def run_lp(url: str, path: str, body: dict, headers: dict | None = None) -> tuple:
     """(text, finish_reason, usage, [(token, logprob) per output token]); a stream's chunks'
     logprobs concatenated."""
     chat = path.endswith("chat/completions")
     if body["stream"]:
-        with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}},
-                          timeout=60, headers=headers) as r:
-            assert r.status_code == 200, r.read()
-            events = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+        events = stream_events(url, path, body, headers)
         assert all("error" not in d for d in events), events
         usage = [d["usage"] for d in events if d.get("usage")][-1]
         choices = [c for d in events for c in d["choices"]]
@@ -271,11 +275,7 @@ def run_choices(url: str, path: str, body: dict, headers: dict | None = None) ->
     chat = path.endswith("chat/completions")
     out: dict = {}
     if body["stream"]:
-        with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}},
-                          timeout=60, headers=headers) as r:
-            assert r.status_code == 200, r.read()
-            events = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+        events = stream_events(url, path, body, headers)
         assert all("error" not in d for d in events), [d for d in events if "error" in d]
         usages = [d["usage"] for d in events if d.get("usage") and not d["choices"]]
         assert len(usages) == 1, usages
