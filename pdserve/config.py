@@ -92,7 +92,7 @@ class EngineSettings(StrictModel):
         "decode step (pdserve.cpu_bind.omp_wait_env): 'spin' a short while (GOMP_SPINCOUNT "
         "10000, ~15-25% faster steps on dedicated cores), 'passive' (sleep at once: the right choice where "
         "other processes share the cores; a spinning rank slowed a loaded test machine several-fold); 'auto' = "
-        "spin when the rank's threads are pinned to cores of their own (engine.cpu_bind), else passive, and an "
+        "spin when the rank's threads are pinned (engine.cpu_bind), else passive; with auto an "
         "OMP_WAIT_POLICY or GOMP_SPINCOUNT already in the environment wins. Worker ranks only (executor: mpi)")
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per server (KV heads split over ranks)")
     executor: Literal["mpi", "inproc"] = Field(
@@ -138,6 +138,10 @@ class EngineSettings(StrictModel):
         if self.cpu_bind not in ("auto", "off") and self.executor == "inproc":
             raise ValueError(f"cpu_bind {self.cpu_bind!r} pins worker ranks' threads; executor 'inproc' has "
                              "no worker ranks (use 'auto' or 'off')")
+        if self.openmp_wait != "auto" and self.executor == "inproc":
+            raise ValueError(f"openmp_wait {self.openmp_wait!r} is set by worker ranks before torch loads; executor "
+                             "'inproc' has none (torch is loaded in the HTTP process: set OMP_WAIT_POLICY or "
+                             "GOMP_SPINCOUNT in its environment instead, or use 'auto')")
         return self
 
     def merged(self, override: "EngineSettings") -> "EngineSettings":

@@ -107,3 +107,11 @@ def test_openmp_wait_setting_is_checked():
     assert EngineSettings().openmp_wait == "auto"
     with pytest.raises(ValueError, match="openmp_wait"):
         EngineSettings(openmp_wait="busy")
+
+
+def test_openmp_wait_needs_worker_ranks():
+    from pdserve.config import EngineSettings
+
+    assert EngineSettings(executor="inproc").openmp_wait == "auto"
+    with pytest.raises(ValueError, match="openmp_wait 'spin' is set by worker ranks"):
+        EngineSettings(executor="inproc", openmp_wait="spin")
