@@ -14,6 +14,7 @@ from pdserve.structured_output import StructuredOutputSpec
 
 from engine_testutil import PROMPTS, greedy
 from test_choices import choices_of, run_choices
+from test_kv_move import _continue
 from test_structured_output_engine import first_pull
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -96,22 +97,7 @@ def _continue_choice(dst, src, out, params, rid):
     """Continue a moved choice on ``dst`` as an n = 1 generation_only pull with its choice index (as a
     target gen server does: copy the blocks the KVPull names from the parked ones); returns (its
     tokens, tokens computed in the first step after the KV landed)."""
-    moved = out.moved
-    prompt, first = moved.token_ids[:moved.num_prompt_tokens], moved.token_ids[moved.num_prompt_tokens:]
-    dst.add_request(EngineRequest(rid, prompt, params, phase=Phase.GENERATION_ONLY, first_token_ids=first,
-                                  kv_num_tokens=moved.kv_num_tokens, source_block_hashes=moved.block_hashes,
-                                  choice_index=moved.choice_index))
-    (pull,) = dst.step().kv_pulls
-    src_blocks = out.parked_block_ids[pull.first_block:pull.first_block + len(pull.block_ids)]
-    assert len(src_blocks) == len(pull.block_ids)
-    if src_blocks:
-        dst.kv_cache[pull.block_ids] = src.kv_cache[src_blocks]
-    dst.kv_ready(rid, ok=True)
-    computed0 = dst.stats()["tokens_computed"]
-    tokens = [t for o in dst.step().outputs for t in o.new_token_ids]
-    first_step = dst.stats()["tokens_computed"] - computed0
-    while dst.has_work():
-        tokens += [t for o in dst.step().outputs for t in o.new_token_ids]
+    tokens, _, first_step = _continue(dst, src, out, params, rid)
     return tokens, first_step
 
 

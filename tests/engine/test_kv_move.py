@@ -66,7 +66,8 @@ def _continue(dst, src, out, params, rid="t"):
     prompt = moved.token_ids[:moved.num_prompt_tokens]
     first = moved.token_ids[moved.num_prompt_tokens:]
     dst.add_request(EngineRequest(rid, prompt, params, phase=Phase.GENERATION_ONLY, first_token_ids=first,
-                                  kv_num_tokens=moved.kv_num_tokens, source_block_hashes=moved.block_hashes))
+                                  kv_num_tokens=moved.kv_num_tokens, source_block_hashes=moved.block_hashes,
+                                  choice_index=moved.choice_index or 0))  # a moved choice samples as itself
     (pull,) = dst.step().kv_pulls
     src_blocks = out.parked_block_ids[pull.first_block:pull.first_block + len(pull.block_ids)]
     assert len(src_blocks) == len(pull.block_ids)
