@@ -53,27 +53,11 @@ def body(path: str, stream: bool, n: int = MAX_TOKENS) -> dict:
 
 
 def ask(url: str, path: str, b: dict) -> tuple[str, dict]:
-    """(text, usage) of one request, stream or not (usage: prompt and completion tokens; the cached
-    tokens depend on what the ctx server's prefix cache held)."""
-    if not b["stream"]:
-        r = httpx.post(url + path, json=b, timeout=120, headers=SESSION)
-        assert r.status_code == 200, r.text
-        doc = r.json()
-        choice = doc["choices"][0]
-        return (choice["message"]["content"] if "chat" in path else choice["text"]), tokens_of(doc["usage"])
-    text, usage = "", None
-    with httpx.stream("POST", url + path, json=b, timeout=120, headers=SESSION) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event and "moved" not in event, event
-            for choice in event.get("choices", []):
-                text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-            usage = event.get("usage") or usage
-    assert usage is not None, "no usage chunk"
-    return text, tokens_of(usage)
+    """(text, usage) of one n = 1 request, stream or not (usage: prompt and completion tokens; the
+    cached tokens depend on what the ctx server's prefix cache held)."""
+    texts, usage = ask_choices(url, path, b)
+    assert list(texts) == [0], texts
+    return texts[0], usage
 
 
 def tokens_of(usage: dict) -> dict:
