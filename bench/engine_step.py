@@ -80,7 +80,7 @@ def prefill_ms(engine: LLMEngine, length: int, sampled: bool) -> tuple[float, fl
 
 def run(a: argparse.Namespace, dtype: str) -> list[dict]:
     """Every case for one dtype; each the median over a.repeats."""
-    engine = LLMEngine(EngineSettings(dtype=dtype, device="cpu", num_threads=a.threads, num_kv_blocks=512,
+    engine = LLMEngine(EngineSettings(dtype=dtype, device="cpu", num_threads=a.threads, num_kv_blocks=512, cpu_kernels=a.cpu_kernels,
                                       max_num_tokens=max(2048, a.prefill_len)), a.model)
     decode_step_ms(engine, 1, 16, 4, a.sampled)  # warm-up
     prefill_ms(engine, 64, a.sampled)
@@ -110,6 +110,8 @@ def main() -> None:
     p.add_argument("--prefill-len", type=int, default=512, help="0 = no prefill case")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sampled", action="store_true")
+    p.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"],
+                   help="engine.cpu_kernels (pdserve's fused float32 CPU kernels)")
     p.add_argument("--json", type=Path, help="also write every row to this file")
     a = p.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)

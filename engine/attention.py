@@ -8,6 +8,7 @@ window reaches and masks the keys outside it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None   # [D, 1, 1, decode_max_ctx] bool; None: all keys seen
     prefills: list[PrefillChunk]
     decode_rows: torch.Tensor | None = None  # [num_layers, 2 * D * max_blocks] int64 (kv_rows)
+    decode_key_ranges: torch.Tensor | None = None  # [D, 2] int64: row r sees keys [lo, hi) of its table row
 
 
 def kv_rows(tables: torch.Tensor, num_layers: int) -> torch.Tensor:
@@ -149,11 +151,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     softmax (None: SDPA's 1/sqrt(hd); Gemma 3: query_pre_attn_scalar ** -0.5). Returns
     [T, heads, hd].
     """
+    write_kv(kv_cache[:, layer, 0], kv_cache[:, layer, 1], k, v, meta)
+    return attend(q, k, v, kv_cache, layer, meta, scale)
+
+
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, int, AttentionMetadata, float | None], torch.Tensor]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+           meta: AttentionMetadata, scale: float | None = None,
+           decode: DecodeAttention | None = None) -> torch.Tensor:
+    """paged_attention after its KV write (this step's k/v already in the cache): the decode
+    rows by `decode` (q [D, heads, hd], kv_cache, layer, meta, scale -> [D, heads, hd]; None:
+    gather + SDPA), then each prefill chunk. Returns [T, heads, hd]."""
     cache_k, cache_v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
-    write_kv(cache_k, cache_v, k, v, meta)
     parts = []
     if meta.num_decodes:
-        parts.append(_decode(q[:meta.num_decodes], kv_cache, layer, meta, scale))
+        parts.append((decode or _decode)(q[:meta.num_decodes], kv_cache, layer, meta, scale))
     for chunk in meta.prefills:
         s = slice(chunk.start, chunk.start + chunk.length)
         parts.append(_prefill(q[s], k[s], v[s], cache_k, cache_v, chunk, scale))

@@ -77,6 +77,8 @@ def _decode_metadata(meta: AttentionMetadata, items: Sequence[StepItem],
         row = t[f:f + nb]
         rows[r, :len(row)] = row
     meta.decode_tables, meta.decode_max_ctx = rows, max_keys
+    lows = [0 if window is None else max(0, q - window + 1 - f * bs) for q, f in zip(q_pos, starts)]
+    meta.decode_key_ranges = torch.tensor([lows, n_keys], dtype=torch.long).t().contiguous()
     k_pos = torch.tensor(starts)[:, None] * bs + torch.arange(max_keys)[None, :]   # [D, S]
     mask = visible(torch.tensor(q_pos)[:, None], k_pos, window)
     if not bool(mask.all()):

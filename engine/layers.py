@@ -47,11 +47,16 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 (all <= max_position) -> (cos, signed sin), each [T, head_dim]."""
-        if max_position >= self.cos.shape[0] or self.cos.device != positions.device:
+        cos, sin = self.tables(max_position, positions.device)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def tables(self, max_position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (cos, signed sin) tables [P, head_dim] on device, grown to P > max_position."""
+        if max_position >= self.cos.shape[0] or self.cos.device != device:
             while self._size <= max_position:
                 self._size *= 2
-            self._build(self._size, positions.device)
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+            self._build(self._size, device)
+        return self.cos, self.sin
 
     def _build(self, size: int, device: torch.device) -> None:
         hd = self.head_dim

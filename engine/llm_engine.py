@@ -85,7 +85,8 @@ class LLMEngine:
         if config.device != "cpu":
             torch.cuda.set_device(torch.device(config.device))  # NCCL and default streams follow it
         dtype = getattr(torch, config.dtype)
-        model, path = load_model(model, dtype, self.tp, config.device, pack_cpu_linears=config.pack_cpu_linears)
+        model, path = load_model(model, dtype, self.tp, config.device, pack_cpu_linears=config.pack_cpu_linears,
+                                 cpu_kernels=config.cpu_kernels)
         self.model_config = model.config
         self.local_kv_heads = model.shard.num_kv_heads
         mc = model.config

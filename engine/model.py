@@ -7,9 +7,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, attend, paged_attention
 from engine.cpu_linear import pack_decoder_linears
-from engine.layers import RotaryTable, apply_rope, linear, rms_norm, swiglu
+from engine.cpu_ops import TORCH_OPS, KernelOps, TorchOps
+from engine.layers import RotaryTable, apply_rope, linear, rms_norm
 from engine.model_config import ModelConfig
 from engine.model_weights import LayerWeights, Shard, StateReader, layer_weights, lm_head_weight
 from engine.tp import NO_TP, TPContext, all_reduce
@@ -23,7 +24,8 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 tp: TPContext = NO_TP, pack_cpu_linears: bool = False):
+                 tp: TPContext = NO_TP, pack_cpu_linears: bool = False,
+                 ops: TorchOps | KernelOps = TORCH_OPS):
         """state: HF LlamaForCausalLM names (full, unsharded). Raises KeyError when a weight is
         missing, ValueError when the KV heads cannot be split over tp.size or when the state
         holds weights this forward would ignore.
@@ -31,6 +33,8 @@ class LlamaModel:
         pack_cpu_linears: reorder every linear weight (qkv, o_proj, gate_up, down, lm_head) for
         oneDNN once (engine.cpu_linear; CPU weights only, a no-op elsewhere). A tied lm_head then
         gets its own packed copy (vocab x hidden more memory) while the embedding stays dense.
+        ops: the fusable steps (engine.cpu_ops): ATen ops, or pdserve's float32 CPU kernels
+        (residual add + RMSNorm, SwiGLU, RoPE + KV write, decode attention in one pass each).
         """
         self.config = config
         self.dtype = dtype
@@ -48,6 +52,7 @@ class LlamaModel:
         self.rope = RotaryTable(config.head_dim, config.rope_theta, dtype,
                                 scaling=config.rope_scaling)
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
+        self.ops = ops
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
@@ -64,23 +69,30 @@ class LlamaModel:
         Returns float32 logits [S, vocab_size], or None when compute_logits is False (TP
         followers: the forward still writes the KV and joins every all-reduce).
         """
-        c = self.config
+        c, ops = self.config, self.ops
         x = F.embedding(input_ids, self.embed)
         if max_position is None:
             max_position = int(positions.max())
-        cos, sin = self.rope.lookup(positions, max_position)
+        rope = self._rope_inputs(positions, max_position)
+        delta = None  # the last sublayer's output, not yet added to the residual stream x
         for i, w in enumerate(self.layers):
-            x = x + self._attention(rms_norm(x, w.attn_norm, c.rms_norm_eps), w, cos, sin,
-                                    kv_cache, i,
-                                    metas[self.windows[i]])
-            h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
-            x = x + all_reduce(linear(swiglu(linear(h, w.gate_up)), w.down), self.tp)
+            x, h = ops.add_rms_norm(x, delta, w.attn_norm, c.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, self._attention(h, w, rope, kv_cache, i, metas[self.windows[i]]),
+                                    w.mlp_norm, c.rms_norm_eps)
+            delta = all_reduce(linear(ops.silu_mul(linear(h, w.gate_up)), w.down), self.tp)
         if not compute_logits:
             return None
-        x = rms_norm(x[sample_rows], self.norm, c.rms_norm_eps)
+        _, x = ops.add_rms_norm((x + delta)[sample_rows], None, self.norm, c.rms_norm_eps)
         return linear(x, self.lm_head).float()
 
-    def _attention(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+    def _rope_inputs(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, ...]:
+        """What _attention rotates with: (cos, signed sin) rows [T, hd] for ATen ops; the whole
+        tables and the positions for the kernels' rope_store_kv."""
+        if isinstance(self.ops, KernelOps):
+            return (*self.rope.tables(max_position, positions.device), positions)
+        return self.rope.lookup(positions, max_position)
+
+    def _attention(self, x: torch.Tensor, w: LayerWeights, rope: tuple[torch.Tensor, ...],
                    kv_cache: torch.Tensor, layer: int,
                    meta: AttentionMetadata) -> torch.Tensor:
         hd, sh = self.config.head_dim, self.shard
@@ -91,9 +103,30 @@ class LlamaModel:
             eps = self.config.rms_norm_eps
             qk = torch.cat([rms_norm(qk[:, :sh.num_heads], w.q_norm, eps),
                             rms_norm(qk[:, sh.num_heads:], w.k_norm, eps)], dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k at once
-        q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]
         v = qkv[:, sh.num_heads + sh.num_kv_heads:]
-        out = paged_attention(q, k, v, kv_cache, layer, meta)
+        if isinstance(self.ops, KernelOps):
+            out = self._kernel_attention(qkv, qk, rope, kv_cache, layer, meta)
+        else:
+            qk = apply_rope(qk, *rope)  # q and k at once
+            q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]
+            out = paged_attention(q, k, v, kv_cache, layer, meta)
         out = all_reduce(linear(out.reshape(t, sh.num_heads * hd), w.o_proj), self.tp)
         return out if w.o_bias is None else out + w.o_bias
+
+    def _kernel_attention(self, qkv: torch.Tensor, qk: torch.Tensor, rope: tuple[torch.Tensor, ...],
+                          kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE + KV write in one kernel pass over qkv [T, heads + 2 kv_heads, hd] (in place),
+        then decode rows on the decode kernel and prefill chunks on SDPA. -> [T, heads, hd]."""
+        nh, ops = self.shard.num_heads, self.ops
+        if qk.data_ptr() != qkv.data_ptr():  # Qwen3's normed q/k: back into qkv for the kernel
+            qkv[:, :qk.shape[1]] = qk
+        cos, sin, positions = rope
+        ops.rope_store_kv(qkv, cos, sin, positions, kv_cache, layer, meta.slot_blocks,
+                          meta.slot_offsets, nh)
+        scale = self.config.head_dim ** -0.5
+
+        def decode(q, cache, lyr, m, _scale):
+            return ops.decode_attention(q, cache, lyr, m.decode_tables, m.decode_key_ranges, scale)
+
+        return attend(qkv[:, :nh], qkv[:, nh:nh + self.shard.num_kv_heads],
+                      qkv[:, nh + self.shard.num_kv_heads:], kv_cache, layer, meta, decode=decode)

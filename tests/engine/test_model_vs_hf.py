@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from engine.cpu_ops import load_library
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
@@ -23,6 +24,21 @@ def test_tiny_llama_matches_hf(tiny_engine, tiny_dir):
         assert got == hf_greedy(hf, p, 32)
 
 
+@pytest.mark.parametrize("cpu_kernels", ["off", "auto"])
+def test_tiny_llama_matches_hf_with_and_without_cpu_kernels(tiny_engine_factory, tiny_dir, cpu_kernels):
+    """engine.cpu_kernels: the ATen path and pdserve's fused kernels both give HF's tokens, with
+    chunked prefills next to decodes (a 7-token step budget). The default engines of this file
+    run the kernels whenever `make install` built them."""
+    from transformers import AutoModelForCausalLM
+    engine = tiny_engine_factory(num_kv_blocks=64, max_num_tokens=7, cpu_kernels=cpu_kernels)
+    expected = "pdserve_cpu" if cpu_kernels == "auto" and load_library() is None else "aten"
+    assert engine.runner.model.ops.name == expected
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    for p, got in zip(prompts, _engine_outputs(engine, prompts, 12)):
+        assert got == hf_greedy(hf, p, 12)
+
+
 def test_tiny_llama_chunked_prefill_matches_hf(tiny_engine_factory, tiny_engine, tiny_dir):
     # A 7-token step budget: prompts are prefilled in chunks that attend to earlier chunks
     # through the paged cache (the masked path), next to decodes of the other prompts.
@@ -35,6 +51,8 @@ def test_tiny_llama_chunked_prefill_matches_hf(tiny_engine_factory, tiny_engine,
 
 
 def test_smollm2_matches_hf(smollm2_engine, hf_smollm2):
+    if load_library() is None:  # built by make install: the oracle covers the kernels' path
+        assert smollm2_engine.runner.model.ops.name == "pdserve_cpu"
     tok = smollm2_engine.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:5]]
     ours = _engine_outputs(smollm2_engine, prompts, 32)
