@@ -28,6 +28,7 @@ weight where anything else reads it (the tied embedding).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -78,11 +79,34 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
-def pack_decoder_linears(model) -> None:
+@dataclass(frozen=True)
+class DualWeight:
+    """A CPU linear weight [N, K] in two layouts: oneDNN-packed (pack_weight) for products of 2+
+    rows, and dense row-major for one-row products on pdserve's GEMV kernel
+    (``torch.ops.pdserve_cpu.gemv``, engine.cpu_ops), which streams it at close to the memory
+    bandwidth where oneDNN's one-row kernel reached ~85% of it (docs/benchmarks.md, issue 11).
+    Costs one more copy of the weight (none for a tied lm_head: its dense form is the embedding)."""
+
+    packed: torch.Tensor
+    dense: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.dense.shape
+
+
+def pack_decoder_linears(model, keep_dense: bool = False) -> None:
     """Pack a decoder's linear weights in place: every layer's ``qkv``, ``o_proj``, ``gate_up``,
     ``down`` and the model's ``lm_head`` (the shape engine.model_weights builds; the dense
-    embedding stays where a tied head shared it)."""
+    embedding stays where a tied head shared it). keep_dense: each becomes a DualWeight (the
+    GEMV kernel must be loaded: engine.cpu_ops.load_library)."""
+    def pack(w: torch.Tensor):
+        packed = pack_weight(w)
+        if not keep_dense or not packed.is_mkldnn:
+            return packed
+        return DualWeight(packed, w.contiguous())
+
     for w in model.layers:
-        w.qkv, w.o_proj = pack_weight(w.qkv), pack_weight(w.o_proj)
-        w.gate_up, w.down = pack_weight(w.gate_up), pack_weight(w.down)
-    model.lm_head = pack_weight(model.lm_head)
+        w.qkv, w.o_proj = pack(w.qkv), pack(w.o_proj)
+        w.gate_up, w.down = pack(w.gate_up), pack(w.down)
+    model.lm_head = pack(model.lm_head)

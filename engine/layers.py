@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_linear import packed_linear
+from engine.cpu_linear import DualWeight, packed_linear
 from engine.rope import LinearScaling, RopeScaling, inv_freq
 
 
@@ -79,15 +79,22 @@ SKINNY_MAX_ROWS = 16
 SKINNY_MIN_OUT = 2048
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | DualWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N].
 
     A float32 CPU product with 2..16 rows and N >= 2048 outputs runs as (weight @ x^T)^T: MKL's
     sgemm on the transposed-weight form of such a skinny product took 1.5-3x the CPU time
     (lm_head [49152, 576] at 8 rows: 36 vs 15 ms; gate_up [3072, 576]: 41 vs 29 ms per 30
     layers; measured with process_time on the 2-core CI machine). One row is a GEMV either way.
-    A weight packed by engine.cpu_linear.pack_weight runs on oneDNN's linear instead.
+    A weight packed by engine.cpu_linear.pack_weight runs on oneDNN's linear instead; a
+    DualWeight (engine.cpu_kernels) runs one-row products on pdserve's GEMV kernel and more rows
+    on its packed form.
     """
+    if isinstance(weight, DualWeight):
+        if x.shape[0] == 1:
+            return torch.ops.pdserve_cpu.gemv(x, weight.dense, bias)
+        weight = weight.packed
     if weight.is_mkldnn:  # reordered once at load (engine.cpu_linear)
         return packed_linear(x, weight, bias)
     t, n = x.shape[0], weight.shape[0]

@@ -47,8 +47,8 @@ class LlamaModel:
         self.norm = reader["model.norm.weight"].to(dtype)
         self.lm_head = lm_head_weight(reader, self.embed, config, dtype)
         reader.check_all_used()
-        if pack_cpu_linears:
-            pack_decoder_linears(self)  # each linear weight -> its oneDNN-packed form
+        if pack_cpu_linears:  # each linear weight -> its oneDNN-packed form (+ dense for the GEMV kernel)
+            pack_decoder_linears(self, keep_dense=isinstance(ops, KernelOps))
         self.rope = RotaryTable(config.head_dim, config.rope_theta, dtype,
                                 scaling=config.rope_scaling)
         self.windows = tuple(config.window(i) for i in range(config.num_layers))

@@ -282,6 +282,98 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, int
   return out;
 }
 
+// y[n] = w[n, :] . x for rows [n0, n1) of a dense row-major w [N, K]: four weight rows stream at
+// once (x stays in L1), two accumulators per row.
+void gemv_rows(const float* x, const float* w, float* y, int64_t k, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t k16 = k - k % 16;
+  for (; n + 4 <= n1; n += 4) {
+    const float* r[4] = {w + n * k, w + (n + 1) * k, w + (n + 2) * k, w + (n + 3) * k};
+    __m256 a[4], b[4];
+    for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k16; c += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(r[i] + c), x0, a[i]);
+        b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(r[i] + c + 8), x1, b[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m256 s = _mm256_add_ps(a[i], b[i]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      float acc = _mm_cvtss_f32(h);
+      for (int64_t c = k16; c < k; ++c) acc += r[i][c] * x[c];
+      y[n + i] = acc;
+    }
+  }
+#endif
+  for (; n < n1; ++n) y[n] = dot(w + n * k, x, k);
+}
+
+#if defined(__x86_64__)
+// gemv_rows with 512-bit vectors, for CPUs with AVX-512 (chosen at run time: the library is
+// built for x86-64-v3).
+__attribute__((target("avx512f"))) void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t k,
+                                                          int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  const int64_t k32 = k - k % 32;
+  for (; n + 4 <= n1; n += 4) {
+    const float* r[4] = {w + n * k, w + (n + 1) * k, w + (n + 2) * k, w + (n + 3) * k};
+    __m512 a[4], b[4];
+    for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k32; c += 32) {
+      const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + c), x0, a[i]);
+        b[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + c + 16), x1, b[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      float acc = _mm512_reduce_add_ps(_mm512_add_ps(a[i], b[i]));
+      for (int64_t c = k32; c < k; ++c) acc += r[i][c] * x[c];
+      y[n + i] = acc;
+    }
+  }
+  for (; n < n1; ++n) y[n] = dot(w + n * k, x, k);
+}
+const bool kAvx512 = __builtin_cpu_supports("avx512f");
+#else
+constexpr bool kAvx512 = false;
+void gemv_rows_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+#endif
+
+// x [1, K] @ w [N, K]^T (+ bias [N]) -> [1, N] for a dense float32 w: the batch-1 product of a
+// decode step, read at close to the memory bandwidth (each thread streams one contiguous share
+// of the rows). engine.cpu_linear uses it for one-row inputs; more rows go to oneDNN.
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous(),
+              "gemv takes x [1, K] and a contiguous w [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({1, n}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n * k) / kGrain));
+  const int64_t share = ((n + nt - 1) / nt + 3) / 4 * 4;  // rows per thread, a multiple of 4
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t n0 = std::min(n, t * share), n1 = std::min(n, (t + 1) * share);
+      kAvx512 ? gemv_rows_avx512(xp, wp, yp, k, n0, n1) : gemv_rows(xp, wp, yp, k, n0, n1);
+    }
+  });
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "bias must be [N]");
+    y.add_(*bias);
+  }
+  return y;
+}
+
 // gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_f32(gate_up, "gate_up");
@@ -312,6 +404,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor kv_cache, int layer, Tensor tables, Tensor key_ranges, "
         "float scale) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -319,4 +412,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("rope_store_kv", rope_store_kv);
   m.impl("decode_attention", decode_attention);
   m.impl("silu_mul", silu_mul);
+  m.impl("gemv", gemv);
 }

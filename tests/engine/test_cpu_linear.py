@@ -34,8 +34,8 @@ def test_pack_weight_leaves_what_it_cannot_pack():
 
 def test_packed_model_same_greedy_tokens(tiny_engine_factory):
     """The on/off oracle: packing changes rounding only, never the tiny model's greedy tokens."""
-    on = tiny_engine_factory(num_kv_blocks=64, pack_cpu_linears=True)
-    off = tiny_engine_factory(num_kv_blocks=64, pack_cpu_linears=False)
+    on = tiny_engine_factory(num_kv_blocks=64, pack_cpu_linears=True, cpu_kernels="off")
+    off = tiny_engine_factory(num_kv_blocks=64, pack_cpu_linears=False, cpu_kernels="off")
     assert on.runner.model.layers[0].gate_up.is_mkldnn and on.runner.model.lm_head.is_mkldnn
     assert not off.runner.model.layers[0].gate_up.is_mkldnn
     assert not on.runner.model.embed.is_mkldnn  # the tied embedding stays dense for the lookup

@@ -13,8 +13,9 @@ import torch
 
 from engine.attention import AttentionMetadata, _decode, kv_rows, write_kv
 from engine.attention_meta import build_metadata
+from engine.cpu_linear import DualWeight, pack_weight, packed_linear
 from engine.cpu_ops import TORCH_OPS, KernelOps, load_library, select_ops
-from engine.layers import RotaryTable, apply_rope
+from engine.layers import RotaryTable, apply_rope, linear
 
 pytestmark = pytest.mark.skipif(load_library() is not None,
                                 reason=f"pdserve CPU kernels: {load_library()} (make install builds them)")
@@ -124,3 +125,30 @@ def test_kv_rows_unchanged_by_key_ranges():
         expect[lo:hi] = True
         assert torch.equal(visible[r], expect)
     assert meta.decode_rows is not None and torch.equal(meta.decode_rows, kv_rows(meta.decode_tables, 2))
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 576), (49, 37), (3, 1), (2048, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_a_float64_product(n, k, with_bias):
+    """Row counts and K that are not multiples of the 4-row / 16- or 32-float blocks; within
+    fp32 rounding of a float64 reference and at least as close as oneDNN's packed product."""
+    g = torch.Generator().manual_seed(n * k)
+    x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    got = torch.ops.pdserve_cpu.gemv(x, w, bias)
+    assert got.shape == (1, n)
+    err = (got.double() - ref).abs().max().item()
+    assert err < 1e-5 * max(1.0, k ** 0.5)
+    packed_err = (packed_linear(x, pack_weight(w), bias).double() - ref).abs().max().item()
+    assert err <= 2 * packed_err + 1e-6
+
+
+def test_dual_weight_routes_one_row_to_gemv_and_more_to_onednn():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(64, 32, generator=g), torch.randn(3, 32, generator=g)
+    dual = DualWeight(pack_weight(w), w)
+    assert torch.equal(linear(x[:1], dual), torch.ops.pdserve_cpu.gemv(x[:1], w, None))
+    assert torch.equal(linear(x, dual), packed_linear(x, dual.packed, None))
+    with pytest.raises(RuntimeError, match="gemv takes"):
+        torch.ops.pdserve_cpu.gemv(x, w, None)
