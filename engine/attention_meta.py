@@ -44,44 +44,51 @@ def build_metadata(items: Sequence[StepItem], pos: torch.Tensor, block_size: int
     """items: decodes (num_new == 1) first, then prefill chunks; pos: [T] their positions.
     window: None (full attention) or the sliding window in tokens. num_layers: the cache's
     layer count, for the decode rows' one-gather row ids (engine.attention.kv_rows); None: the
-    decode gathers K and V separately."""
+    decode gathers K and V separately.
+
+    Index lists are built in Python and become one tensor each (a per-item tensor op costs more
+    than the arithmetic at decode batch sizes)."""
     bs = block_size
-    tables = [torch.tensor(it.block_ids, dtype=torch.long) for it in items]
-    slot_blocks = torch.cat([t[p // bs] for t, p in
-                             zip(tables, torch.split(pos, [it.num_new for it in items]))])
+    slot_blocks: list[int] = []
+    for it in items:
+        ids = it.block_ids
+        slot_blocks += [ids[p // bs] for p in range(it.num_computed, it.num_computed + it.num_new)]
     n_dec = sum(1 for it in items if it.num_new == 1)
-    meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=pos % bs, num_decodes=n_dec,
-                             decode_tables=None, decode_max_ctx=0, decode_mask=None, prefills=[])
+    meta = AttentionMetadata(slot_blocks=torch.tensor(slot_blocks, dtype=torch.long), slot_offsets=pos % bs,
+                             num_decodes=n_dec, decode_tables=None, decode_max_ctx=0, decode_mask=None,
+                             prefills=[])
     if n_dec:
-        _decode_metadata(meta, items[:n_dec], tables[:n_dec], bs, window)
+        _decode_metadata(meta, items[:n_dec], bs, window)
         if num_layers is not None:
             meta.decode_rows = kv_rows(meta.decode_tables, num_layers)
     start = n_dec
-    for it, table in zip(items[n_dec:], tables[n_dec:]):
-        meta.prefills.append(_chunk(it, table, start, bs, window))
+    for it in items[n_dec:]:
+        meta.prefills.append(_chunk(it, torch.tensor(it.block_ids, dtype=torch.long), start, bs, window))
         start += it.num_new
     return meta
 
 
-def _decode_metadata(meta: AttentionMetadata, items: Sequence[StepItem],
-                     tables: list[torch.Tensor], bs: int, window: int | None) -> None:
-    """Row r gathers its blocks from first_block on; keys past its position or outside its
-    window are masked (the mask is dropped when nothing is masked: one decode, full attention)."""
+def _decode_metadata(meta: AttentionMetadata, items: Sequence[StepItem], bs: int,
+                     window: int | None) -> None:
+    """Row r gathers its blocks from first_block on and sees keys [lo, hi) of them
+    (decode_key_ranges): hi - 1 is its own position, lo the first key inside its window. The
+    mask (the same rule as `visible`) is built only when some row sees fewer keys than the
+    widest one."""
     q_pos = [it.num_computed for it in items]
     starts = [first_block(q, window, bs) for q in q_pos]
     n_keys = [q + 1 - f * bs for q, f in zip(q_pos, starts)]
+    lows = [0 if window is None else max(0, q - window + 1 - f * bs) for q, f in zip(q_pos, starts)]
     max_keys = max(n_keys)
     nb = -(-max_keys // bs)
-    rows = torch.zeros(len(items), nb, dtype=torch.long)
-    for r, (f, t) in enumerate(zip(starts, tables)):
-        row = t[f:f + nb]
-        rows[r, :len(row)] = row
-    meta.decode_tables, meta.decode_max_ctx = rows, max_keys
-    lows = [0 if window is None else max(0, q - window + 1 - f * bs) for q, f in zip(q_pos, starts)]
-    meta.decode_key_ranges = torch.tensor([lows, n_keys], dtype=torch.long).t().contiguous()
-    k_pos = torch.tensor(starts)[:, None] * bs + torch.arange(max_keys)[None, :]   # [D, S]
-    mask = visible(torch.tensor(q_pos)[:, None], k_pos, window)
-    if not bool(mask.all()):
+    rows = []
+    for f, it in zip(starts, items):
+        row = list(it.block_ids[f:f + nb])
+        rows.append(row + [0] * (nb - len(row)))
+    meta.decode_tables, meta.decode_max_ctx = torch.tensor(rows, dtype=torch.long), max_keys
+    meta.decode_key_ranges = torch.tensor(list(zip(lows, n_keys)), dtype=torch.long)
+    if any(lo > 0 for lo in lows) or any(n != max_keys for n in n_keys):
+        keys = torch.arange(max_keys)[None, :]
+        mask = (keys >= meta.decode_key_ranges[:, :1]) & (keys < meta.decode_key_ranges[:, 1:])
         meta.decode_mask = mask[:, None, None, :]
 
 

@@ -21,7 +21,10 @@ from tests.integration.procs import ROOT, Cluster, write_topology
 @pytest.fixture(scope="module")
 def two_gen_cluster(tiny_model_dir, procs, tmp_path_factory) -> Cluster:
     topo = write_topology(tmp_path_factory.mktemp("topo") / "lattice.yaml", str(tiny_model_dir), TINY_NAME,
-                          num_gen=2, engine={"num_frontends": 2})
+                          num_gen=2, engine={"num_frontends": 2,
+                                             # the dead server's 503s are asserted below: keep it up
+                                             # past the default 0.25 s (a loaded suite took longer)
+                                             "dead_exit_grace_s": 30.0})
     return Cluster(topo, procs).start()
 
 
