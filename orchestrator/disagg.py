@@ -454,9 +454,12 @@ class DisaggFlow:
         """The ctx self-check of a request routed on a pending hint (no server held a block at its
         pick: predicted 0 where the index was synced, None where not). The prompt's length is the
         ctx server's own ``usage.prompt_tokens``, so the prompt is not tokenized for it; only an
-        answer without that number makes the hint resolve here."""
+        answer without that number makes the hint resolve here (and only when it reports a hit:
+        without one the self-check counts nothing)."""
         hint = ex.hint
         assert hint is not None
+        if reported_hit(answer) is None:
+            return
         prompt_tokens = _prompt_tokens(answer) if hint.pending is not None else None
         if prompt_tokens is None:
             prompt_tokens = hint.resolve().num_tokens
