@@ -83,6 +83,16 @@ def build(out: Path | None = None, verbose: bool = False) -> Path:
 _loaded: dict[Path, str | None] = {}
 
 
+def missing_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The x86-64-v3 features the library needs (avx2, fma) that this CPU lacks; [] when it has
+    them or is not x86-64 (other machines build without -march: cflags)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        return []
+    text = cpuinfo.read_text()
+    flags = set(text.split("flags", 1)[1].split("\n", 1)[0].split()) if "flags" in text else set()
+    return [f for f in ("avx2", "fma") if f not in flags]
+
+
 def load_library(directory: Path | None = None) -> str | None:
     """Load the built kernels into torch.ops.pdserve_cpu once per process. Returns None when
     loaded, else the reason they are not (not built, stale build, not loadable)."""
@@ -91,7 +101,10 @@ def load_library(directory: Path | None = None) -> str | None:
         return _loaded[directory]
     lib, stamp = directory / f"{LIB_NAME}.so", directory / "fingerprint.json"
     reason: str | None = None
-    if not lib.exists() or not stamp.exists():
+    missing = missing_cpu_features()
+    if missing:
+        reason = f"this CPU lacks {', '.join(missing)} (the library is built for x86-64-v3)"
+    elif not lib.exists() or not stamp.exists():
         reason = f"not built ({lib} missing: run `make install` or `python -m engine.cpu_ops build`)"
     elif json.loads(stamp.read_text()).get("fingerprint") != fingerprint():
         reason = f"stale build in {directory} (source or torch changed: run `make install`)"

@@ -339,9 +339,12 @@ __attribute__((target("avx512f"))) void gemv_rows_avx512(const float* x, const f
   }
   for (; n < n1; ++n) y[n] = dot(w + n * k, x, k);
 }
-const bool kAvx512 = __builtin_cpu_supports("avx512f");
+bool has_avx512() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  return yes;
+}
 #else
-constexpr bool kAvx512 = false;
+bool has_avx512() { return false; }
 void gemv_rows_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
@@ -364,7 +367,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t n0 = std::min(n, t * share), n1 = std::min(n, (t + 1) * share);
-      kAvx512 ? gemv_rows_avx512(xp, wp, yp, k, n0, n1) : gemv_rows(xp, wp, yp, k, n0, n1);
+      has_avx512() ? gemv_rows_avx512(xp, wp, yp, k, n0, n1) : gemv_rows(xp, wp, yp, k, n0, n1);
     }
   });
   if (bias.has_value()) {

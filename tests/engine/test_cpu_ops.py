@@ -14,7 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, _decode, kv_rows, write_kv
 from engine.attention_meta import build_metadata
 from engine.cpu_linear import DualWeight, pack_weight, packed_linear
-from engine.cpu_ops import TORCH_OPS, KernelOps, load_library, select_ops
+from engine.cpu_ops import TORCH_OPS, KernelOps, load_library, missing_cpu_features, select_ops
 from engine.layers import RotaryTable, apply_rope, linear
 
 pytestmark = pytest.mark.skipif(load_library() is not None,
@@ -152,3 +152,16 @@ def test_dual_weight_routes_one_row_to_gemv_and_more_to_onednn():
     assert torch.equal(linear(x, dual), packed_linear(x, dual.packed, None))
     with pytest.raises(RuntimeError, match="gemv takes"):
         torch.ops.pdserve_cpu.gemv(x, w, None)
+
+
+def test_missing_cpu_features_reads_the_flags_line(tmp_path):
+    """A CPU without AVX2/FMA must not load a library built for x86-64-v3 (it would die of SIGILL)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    old = tmp_path / "old"
+    old.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx\n")
+    new = tmp_path / "new"
+    new.write_text("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma avx512f\n")
+    assert missing_cpu_features(old) == ["avx2", "fma"]
+    assert missing_cpu_features(new) == []
