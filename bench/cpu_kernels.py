@@ -1,9 +1,9 @@
 """Experiment (issue 11): the decode step with and without pdserve's fused CPU kernels, one process.
 
     GOMP_SPINCOUNT=10000 taskset -c 0,1 .venv/bin/python bench/cpu_kernels.py [--batches 1 8]
-        [--steps 144] [--context 128] [--threads 2]
+        [--steps 144] [--context 128] [--threads 2] [--dtype float32|bfloat16]
 
-One SmolLM2 float32 engine (``engine.cpu_kernels: on``, so its linear weights are DualWeights)
+One SmolLM2 engine (``--dtype``, float32 by default) (``engine.cpu_kernels: on``, so its linear weights are DualWeights)
 runs B decoding requests; consecutive ``LLMEngine.step()`` calls rotate over three arms, so load
 drifts on a shared machine hit all three alike:
 
@@ -86,10 +86,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=144, help="timed steps per batch size (all arms together)")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args()
-    engine = LLMEngine(EngineSettings(dtype="float32", device="cpu", num_threads=a.threads, num_kv_blocks=1024,
+    engine = LLMEngine(EngineSettings(dtype=a.dtype, device="cpu", num_threads=a.threads, num_kv_blocks=1024,
                                       max_num_tokens=2048, cpu_kernels="on"), "smollm2")
-    print(f"CPU flags: {cpu_flags()}; {a.threads} threads; load average {os.getloadavg()[0]:.2f} at start")
+    print(f"SmolLM2 {a.dtype}; CPU flags: {cpu_flags()}; {a.threads} threads; load average {os.getloadavg()[0]:.2f} at start")
     print("| batch | " + " | ".join(arms(engine)) + " |\n|---:|" + "---:|" * 3)
     for b in a.batches:
         ms = measure(engine, b, a.context, a.steps)

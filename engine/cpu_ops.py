@@ -1,9 +1,9 @@
-"""pdserve's fused float32 CPU kernels (engine/csrc/cpu_ops.cpp): build once, load, or say why not.
+"""pdserve's fused float32/bfloat16 CPU kernels (engine/csrc/cpu_ops.cpp): build once, load, or say why not.
 
 ``make install`` builds the library into the virtual environment (``python -m engine.cpu_ops
 build``, ~25 s on 2 cores with the C++ compiler and torch's headers); an engine only loads what
 was built, never compiles (no compiler, lock file or wait at start-up). ``engine.cpu_kernels``
-(pdserve.config) chooses: ``auto`` uses them for a float32 CPU model when the built library
+(pdserve.config) chooses: ``auto`` uses them for a float32 or bfloat16 CPU model when the built library
 matches this source and torch, ``on`` requires them (an error names the reason otherwise),
 ``off`` runs ATen ops only. :class:`TorchOps` is the reference every kernel is tested against
 (tests/engine/test_cpu_ops.py) and the path taken without them.
@@ -83,6 +83,16 @@ def build(out: Path | None = None, verbose: bool = False) -> Path:
 _loaded: dict[Path, str | None] = {}
 
 
+def missing_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The x86-64-v3 features the library needs (avx2, fma) that this CPU lacks; [] when it has
+    them or is not x86-64 (other machines build without -march: cflags)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        return []
+    text = cpuinfo.read_text()
+    flags = set(text.split("flags", 1)[1].split("\n", 1)[0].split()) if "flags" in text else set()
+    return [f for f in ("avx2", "fma") if f not in flags]
+
+
 def load_library(directory: Path | None = None) -> str | None:
     """Load the built kernels into torch.ops.pdserve_cpu once per process. Returns None when
     loaded, else the reason they are not (not built, stale build, not loadable)."""
@@ -91,7 +101,10 @@ def load_library(directory: Path | None = None) -> str | None:
         return _loaded[directory]
     lib, stamp = directory / f"{LIB_NAME}.so", directory / "fingerprint.json"
     reason: str | None = None
-    if not lib.exists() or not stamp.exists():
+    missing = missing_cpu_features()
+    if missing:
+        reason = f"this CPU lacks {', '.join(missing)} (the library is built for x86-64-v3)"
+    elif not lib.exists() or not stamp.exists():
         reason = f"not built ({lib} missing: run `make install` or `python -m engine.cpu_ops build`)"
     elif json.loads(stamp.read_text()).get("fingerprint") != fingerprint():
         reason = f"stale build in {directory} (source or torch changed: run `make install`)"
@@ -126,7 +139,7 @@ class TorchOps:
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The same steps on the fused kernels (float32 CPU tensors only); plus the decode-only
+    """The same steps on the fused kernels (float32 or bfloat16 CPU tensors); plus the decode-only
     rope_store_kv and decode_attention, which the model calls when ``kernels`` is set."""
 
     name = "pdserve_cpu"
@@ -155,6 +168,7 @@ class KernelOps:
 
 
 TORCH_OPS = TorchOps()
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def select_ops(setting: str, dtype: torch.dtype, device: str) -> TorchOps | KernelOps:
@@ -164,8 +178,8 @@ def select_ops(setting: str, dtype: torch.dtype, device: str) -> TorchOps | Kern
     if setting == "off":
         return TORCH_OPS
     reason = None
-    if device != "cpu" or dtype != torch.float32:
-        reason = f"they run float32 on the CPU only (this engine: {dtype} on {device})"
+    if device != "cpu" or dtype not in KERNEL_DTYPES:
+        reason = f"they run float32 or bfloat16 on the CPU only (this engine: {dtype} on {device})"
     else:
         reason = load_library()
     if reason is None:

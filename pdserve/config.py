@@ -121,9 +121,9 @@ class EngineSettings(StrictModel):
         "(engine.cpu_linear: 25-45% faster decode steps; fp32 rounding differs from F.linear's in the last bits); "
         "false: F.linear on the plain weights. Ignored off the CPU")
     cpu_kernels: Literal["auto", "on", "off"] = Field(
-        "auto", description="pdserve's fused float32 CPU kernels (engine.cpu_ops, built by `make install`): "
+        "auto", description="pdserve's fused float32/bfloat16 CPU kernels (engine.cpu_ops, built by `make install`): "
         "residual add + RMSNorm, SwiGLU, RoPE + KV write and decode attention in one pass each instead of "
-        "~40 small ATen ops per layer. 'auto' = use them for a float32 Llama-family model on the CPU when "
+        "~40 small ATen ops per layer. 'auto' = use them for a float32 or bfloat16 Llama-family model on the CPU when "
         "they are built (else ATen ops, logged); 'on' = the same but an error when they cannot be used; "
         "'off' = ATen ops only. Rounding differs from the ATen ops' in the last bits")
 

@@ -1,4 +1,4 @@
-// pdserve's fused CPU kernels for the float32 decoder step (engine/cpu_ops.py builds and loads
+// pdserve's fused CPU kernels for the float32 and bfloat16 decoder step (engine/cpu_ops.py builds and loads
 // this file; engine/cpu_ops.py's TorchOps is the reference each kernel is tested against).
 //
 // Why: at batch 1 a SmolLM2 step runs ~40 small ATen ops per layer besides its four matrix
@@ -8,13 +8,17 @@
 //   rope_store_kv    RoPE on q and k (HF rotate_half layout) in place + K/V write into the paged cache
 //   decode_attention one query token per sequence against its paged K/V (GQA, sliding windows)
 //   silu_mul         SwiGLU's silu(gate) * up
-// All float32, row-major, CPU; checked shapes raise c10::Error (RuntimeError in Python).
+//   gemv             one-row linear product streamed at close to the memory bandwidth
+// float32 or bfloat16 (math in float32; bfloat16 results rounded where the ATen path rounds its
+// op outputs, so RMSNorm, SwiGLU and RoPE give ATen's bits), row-major, CPU; bad shapes and
+// dtypes raise c10::Error (RuntimeError in Python).
 // Parallel regions use ATen's thread pool (at::parallel_for), never a second OpenMP runtime.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -22,9 +26,45 @@ namespace {
 
 constexpr int64_t kGrain = 32768;  // elements below which a loop stays on the calling thread
 
+using bf16_t = uint16_t;  // bfloat16 bits (at::BFloat16's layout)
+
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
+
+// A float32 or bfloat16 CPU tensor, of `like`'s dtype when given.
+void check_num(const at::Tensor& t, const char* name, const at::Tensor* like = nullptr) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(like == nullptr || t.scalar_type() == like->scalar_type(), name, " must have the dtype of the others");
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+template <typename T> inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+// round to nearest even, as torch's float -> bfloat16 (NaN payloads aside)
+template <> inline bf16_t from_f<bf16_t>(float x) {
+  uint32_t u = __builtin_bit_cast(uint32_t, x);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<bf16_t>(u >> 16);
+}
+// x as a T holds it (rounded to bfloat16, or unchanged for float): where the ATen path rounds
+// an intermediate to the tensor dtype, the kernels round there too.
+template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+// Runs the statements with T = float or bf16_t after `t`'s dtype.
+#define PD_DISPATCH(t, ...)                       \
+  if ((t).scalar_type() == at::kBFloat16) {       \
+    using T = bf16_t;                              \
+    __VA_ARGS__                                    \
+  } else {                                         \
+    using T = float;                               \
+    __VA_ARGS__                                    \
+  }
 
 // exp(x) in float32 within ~2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
 // polynomial in r, times 2^n), written so that `omp simd` loops vectorize it (std::exp does not
@@ -51,41 +91,78 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // x [T, H] (contiguous, updated in place: x += delta when delta is defined); returns the
-// RMSNorm of the (updated) x scaled by w [H].
+// RMSNorm of the (updated) x scaled by w [H]. bfloat16: the sum rounds to bf16 (torch's add),
+// the norm runs in float32 and rounds before the bf16 scale (HF's LlamaRMSNorm order).
+template <typename T>
+void add_rms_norm_impl(T* xp, const T* dp, const T* wp, T* op, int64_t t, int64_t h, float eps) {
+  at::parallel_for(0, t, std::max<int64_t>(1, kGrain / h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      T* xr = xp + r * h;
+      if (dp) {
+        const T* dr = dp + r * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(dr[i]));
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      T* o = op + r * h;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) o[i] = from_f<T>(to_f(wp[i]) * round_to<T>(to_f(xr[i]) * inv));
+    }
+  });
+}
+
 at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& w,
                         double eps) {
-  check_f32(x, "x");
-  check_f32(w, "w");
+  check_num(x, "x");
+  check_num(w, "w", &x);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
   const int64_t t = x.size(0), h = x.size(1);
   TORCH_CHECK(w.numel() == h && w.is_contiguous(), "w must be [H]");
   at::Tensor d;
   if (delta.has_value()) {
     d = delta->contiguous();
-    check_f32(d, "delta");
+    check_num(d, "delta", &x);
     TORCH_CHECK(d.sizes() == x.sizes(), "delta must have x's shape");
   }
   at::Tensor out = at::empty_like(x);
-  float* xp = x.data_ptr<float>();
-  const float* dp = d.defined() ? d.data_ptr<float>() : nullptr;
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, t, std::max<int64_t>(1, kGrain / h), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      float* xr = xp + r * h;
-      if (dp) {
-        const float* dr = dp + r * h;
+  PD_DISPATCH(x, add_rms_norm_impl<T>(ptr<T>(x), d.defined() ? ptr<T>(d) : nullptr, ptr<T>(w), ptr<T>(out), t, h,
+                                      static_cast<float>(eps));)
+  return out;
+}
+
+// rope_store_kv's loops (below). bfloat16: each product and the sum round to bf16, as
+// apply_rope's x * cos + roll(x) * sin does in that dtype.
+template <typename T>
+void rope_store_kv_impl(T* qp, T* cp, const T* ct, const T* st, const int64_t* pp, const int64_t* bp,
+                        const int64_t* ofp, int64_t t, int64_t num_heads, int64_t kvh, int64_t hd, int64_t bs,
+                        int64_t nlayers, int64_t layer) {
+  const int64_t heads = num_heads + 2 * kvh, half = hd / 2;
+  const int64_t row = bs * kvh * hd;  // one block's K (or V) of one layer
+  at::parallel_for(0, t, std::max<int64_t>(1, kGrain / (heads * hd)), [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(hd);
+    for (int64_t i = b; i < e; ++i) {
+      const T* c = ct + pp[i] * hd;
+      const T* s = st + pp[i] * hd;
+      T* tok = qp + i * heads * hd;
+      for (int64_t h = 0; h < num_heads + kvh; ++h) {
+        T* x = tok + h * hd;
+        for (int64_t d = 0; d < hd; ++d) tmp[d] = to_f(x[d]);
+        // x * cos + roll(x, half) * signed_sin (engine.layers.apply_rope)
 #pragma omp simd
-        for (int64_t i = 0; i < h; ++i) xr[i] += dr[i];
+        for (int64_t d = 0; d < half; ++d)
+          x[d] = from_f<T>(round_to<T>(tmp[d] * to_f(c[d])) + round_to<T>(tmp[d + half] * to_f(s[d])));
+#pragma omp simd
+        for (int64_t d = half; d < hd; ++d)
+          x[d] = from_f<T>(round_to<T>(tmp[d] * to_f(c[d])) + round_to<T>(tmp[d - half] * to_f(s[d])));
       }
-      const float inv = 1.f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + feps);
-      float* o = op + r * h;
-#pragma omp simd
-      for (int64_t i = 0; i < h; ++i) o[i] = wp[i] * (xr[i] * inv);
+      T* kdst = cp + ((bp[i] * nlayers + layer) * 2) * row + ofp[i] * kvh * hd;
+      std::copy(tok + num_heads * hd, tok + (num_heads + kvh) * hd, kdst);
+      std::copy(tok + (num_heads + kvh) * hd, tok + heads * hd, kdst + row);
     }
   });
-  return out;
 }
 
 // qkv [T, nh + 2 * kvh, hd] (contiguous; q heads, then k heads, then v heads): RoPE on the first
@@ -95,8 +172,8 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, co
 void rope_store_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& positions, at::Tensor kv_cache, int64_t layer,
                    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, int64_t num_heads) {
-  check_f32(qkv, "qkv");
-  check_f32(kv_cache, "kv_cache");
+  check_num(qkv, "qkv");
+  check_num(kv_cache, "kv_cache", &qkv);
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be a contiguous [T, heads, hd] tensor");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 6-D cache");
   const int64_t t = qkv.size(0), hd = qkv.size(2), kvh = kv_cache.size(4), bs = kv_cache.size(3);
@@ -105,8 +182,8 @@ void rope_store_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   TORCH_CHECK(hd % 2 == 0 && layer >= 0 && layer < nlayers, "bad head_dim or layer");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd && sin.sizes() == cos.sizes(),
               "cos/sin must be contiguous [P, hd]");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
+  check_num(cos, "cos", &qkv);
+  check_num(sin, "sin", &qkv);
   auto pos = positions.to(at::kLong).contiguous();
   auto blk = slot_blocks.to(at::kLong).contiguous();
   auto off = slot_offsets.to(at::kLong).contiguous();
@@ -114,36 +191,13 @@ void rope_store_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* bp = blk.data_ptr<int64_t>();
   const int64_t* ofp = off.data_ptr<int64_t>();
-  const int64_t heads = num_heads + 2 * kvh, half = hd / 2, p_max = cos.size(0);
+  const int64_t p_max = cos.size(0);
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK(pp[i] >= 0 && pp[i] < p_max, "position ", pp[i], " outside the RoPE table");
     TORCH_CHECK(bp[i] >= 0 && bp[i] < nblocks && ofp[i] >= 0 && ofp[i] < bs, "slot outside the cache");
   }
-  float* qp = qkv.data_ptr<float>();
-  float* cp = kv_cache.data_ptr<float>();
-  const float* ct = cos.data_ptr<float>();
-  const float* st = sin.data_ptr<float>();
-  const int64_t row = bs * kvh * hd;  // one block's K (or V) of one layer
-  at::parallel_for(0, t, std::max<int64_t>(1, kGrain / (heads * hd)), [&](int64_t b, int64_t e) {
-    std::vector<float> tmp(hd);
-    for (int64_t i = b; i < e; ++i) {
-      const float* c = ct + pp[i] * hd;
-      const float* s = st + pp[i] * hd;
-      float* tok = qp + i * heads * hd;
-      for (int64_t h = 0; h < num_heads + kvh; ++h) {
-        float* x = tok + h * hd;
-        std::copy(x, x + hd, tmp.data());
-        // x * cos + roll(x, half) * signed_sin (engine.layers.apply_rope)
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) x[d] = tmp[d] * c[d] + tmp[d + half] * s[d];
-#pragma omp simd
-        for (int64_t d = half; d < hd; ++d) x[d] = tmp[d] * c[d] + tmp[d - half] * s[d];
-      }
-      float* kdst = cp + ((bp[i] * nlayers + layer) * 2) * row + ofp[i] * kvh * hd;
-      std::copy(tok + num_heads * hd, tok + (num_heads + kvh) * hd, kdst);
-      std::copy(tok + (num_heads + kvh) * hd, tok + heads * hd, kdst + row);
-    }
-  });
+  PD_DISPATCH(qkv, rope_store_kv_impl<T>(ptr<T>(qkv), ptr<T>(kv_cache), ptr<T>(cos), ptr<T>(sin), pp, bp, ofp, t,
+                                         num_heads, kvh, hd, bs, nlayers, layer);)
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -224,14 +278,67 @@ void attend_kv_head(const float* q, int64_t qs, int64_t group, const float* cons
   }
 }
 
+struct DecodeShape {
+  int64_t d, nh, hd, kvh, bs, nb, nlayers, layer, qs0, qs1;
+};
+
+// decode_attention's loop over (sequence, KV head) units. bfloat16: the unit's q heads, keys and
+// values are widened to float32 first (one pass; the math is the float32 path's), the output
+// rounded once.
+template <typename T>
+void decode_attention_impl(const T* qp, const T* cp, T* op, const int64_t* tp, const int64_t* rp,
+                           const DecodeShape& sh, float scale, int64_t grain) {
+  constexpr bool wide = std::is_same<T, float>::value;
+  const int64_t hd = sh.hd, group = sh.nh / sh.kvh, row = sh.bs * sh.kvh * hd;
+  at::parallel_for(0, sh.d * sh.kvh, grain, [&](int64_t b, int64_t e) {
+    std::vector<float> score, qbuf, kbuf, vbuf, obuf;
+    std::vector<const float*> kptr, vptr;
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t r = u / sh.kvh, g = u % sh.kvh, lo = rp[2 * r], hi = rp[2 * r + 1], n = hi - lo;
+      kptr.resize(n);
+      vptr.resize(n);
+      if (!wide) {
+        kbuf.resize(n * hd);
+        vbuf.resize(n * hd);
+      }
+      for (int64_t j = lo, blk = lo / sh.bs, off = lo % sh.bs; j < hi; ++j) {  // no division per key
+        const T* k = cp + ((tp[r * sh.nb + blk] * sh.nlayers + sh.layer) * 2) * row + (off * sh.kvh + g) * hd;
+        if constexpr (wide) {
+          kptr[j - lo] = k;
+          vptr[j - lo] = k + row;
+        } else {
+          float* kf = kbuf.data() + (j - lo) * hd;
+          float* vf = vbuf.data() + (j - lo) * hd;
+          for (int64_t c = 0; c < hd; ++c) kf[c] = to_f(k[c]), vf[c] = to_f(k[row + c]);
+          kptr[j - lo] = kf;
+          vptr[j - lo] = vf;
+        }
+        if (++off == sh.bs) off = 0, ++blk;
+      }
+      const T* q = qp + r * sh.qs0 + g * group * sh.qs1;
+      T* o = op + (r * sh.nh + g * group) * hd;
+      if constexpr (wide) {
+        attend_kv_head(q, sh.qs1, group, kptr.data(), vptr.data(), n, hd, scale, o, score);
+      } else {
+        qbuf.resize(group * hd);
+        obuf.resize(group * hd);
+        for (int64_t a = 0; a < group; ++a)
+          for (int64_t c = 0; c < hd; ++c) qbuf[a * hd + c] = to_f(q[a * sh.qs1 + c]);
+        attend_kv_head(qbuf.data(), hd, group, kptr.data(), vptr.data(), n, hd, scale, obuf.data(), score);
+        for (int64_t i = 0; i < group * hd; ++i) o[i] = from_f<T>(obuf[i]);
+      }
+    }
+  });
+}
+
 // q [D, nh, hd] (rows may be strided: a view of qkv); tables [D, nb] block ids; key_ranges
 // [D, 2]: row r attends to keys [lo, hi) of its table (key j = token j % bs of block j / bs).
 // Returns softmax(q k^T * scale) v per query head, [D, nh, hd]; query head h reads KV head
 // h / (nh / kvh) (HF repeat_kv). Softmax in float32 with the row max subtracted (SDPA's).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
                             const at::Tensor& tables, const at::Tensor& key_ranges, double scale) {
-  check_f32(q, "q");
-  check_f32(kv_cache, "kv_cache");
+  check_num(q, "q");
+  check_num(kv_cache, "kv_cache", &q);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [D, heads, hd] with contiguous heads");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 6-D cache");
   const int64_t d = q.size(0), nh = q.size(1), hd = q.size(2);
@@ -254,49 +361,39 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, int
     keys += rp[2 * r + 1] - rp[2 * r];
   }
   at::Tensor out = at::empty({d, nh, hd}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const float* cp = kv_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = nh / kvh, row = bs * kvh * hd;
-  const float fscale = static_cast<float>(scale);
+  const int64_t group = nh / kvh;
   // about kGrain multiply-adds of work per task
   const int64_t grain = std::max<int64_t>(1, (kGrain * d * kvh) / std::max<int64_t>(1, 2 * keys * hd * group));
-  at::parallel_for(0, d * kvh, grain, [&](int64_t b, int64_t e) {
-    std::vector<float> score;
-    std::vector<const float*> kptr, vptr;
-    for (int64_t u = b; u < e; ++u) {
-      const int64_t r = u / kvh, g = u % kvh, lo = rp[2 * r], hi = rp[2 * r + 1];
-      kptr.resize(hi - lo);
-      vptr.resize(hi - lo);
-      for (int64_t j = lo, blk = lo / bs, off = lo % bs; j < hi; ++j) {  // no division per key
-        const float* k = cp + ((tp[r * nb + blk] * nlayers + layer) * 2) * row + (off * kvh + g) * hd;
-        kptr[j - lo] = k;
-        vptr[j - lo] = k + row;
-        if (++off == bs) off = 0, ++blk;
-      }
-      attend_kv_head(qp + r * qs0 + g * group * qs1, qs1, group, kptr.data(), vptr.data(), hi - lo, hd,
-                     fscale, op + (r * nh + g * group) * hd, score);
-    }
-  });
+  const DecodeShape shape{d, nh, hd, kvh, bs, nb, nlayers, layer, q.stride(0), q.stride(1)};
+  PD_DISPATCH(q, decode_attention_impl<T>(ptr<T>(q), ptr<T>(kv_cache), ptr<T>(out), tp, rp, shape,
+                                          static_cast<float>(scale), grain);)
   return out;
 }
 
-// y[n] = w[n, :] . x for rows [n0, n1) of a dense row-major w [N, K]: four weight rows stream at
-// once (x stays in L1), two accumulators per row.
-void gemv_rows(const float* x, const float* w, float* y, int64_t k, int64_t n0, int64_t n1) {
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {  // 8 bfloat16 -> float32 (the bits shifted up)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+// y[n] = w[n, :] . x for rows [n0, n1) of a dense row-major w [N, K] (float32 or bfloat16,
+// widened as it streams; x float32): four weight rows stream at once (x stays in L1), two
+// accumulators per row.
+template <typename T>
+void gemv_rows(const float* x, const T* w, float* y, int64_t k, int64_t n0, int64_t n1) {
   int64_t n = n0;
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t k16 = k - k % 16;
   for (; n + 4 <= n1; n += 4) {
-    const float* r[4] = {w + n * k, w + (n + 1) * k, w + (n + 2) * k, w + (n + 3) * k};
+    const T* r[4] = {w + n * k, w + (n + 1) * k, w + (n + 2) * k, w + (n + 3) * k};
     __m256 a[4], b[4];
     for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k16; c += 16) {
       const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
       for (int i = 0; i < 4; ++i) {
-        a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(r[i] + c), x0, a[i]);
-        b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(r[i] + c + 8), x1, b[i]);
+        a[i] = _mm256_fmadd_ps(load8(r[i] + c), x0, a[i]);
+        b[i] = _mm256_fmadd_ps(load8(r[i] + c + 8), x1, b[i]);
       }
     }
     for (int i = 0; i < 4; ++i) {
@@ -305,93 +402,135 @@ void gemv_rows(const float* x, const float* w, float* y, int64_t k, int64_t n0, 
       h = _mm_add_ps(h, _mm_movehl_ps(h, h));
       h = _mm_add_ss(h, _mm_movehdup_ps(h));
       float acc = _mm_cvtss_f32(h);
-      for (int64_t c = k16; c < k; ++c) acc += r[i][c] * x[c];
+      for (int64_t c = k16; c < k; ++c) acc += to_f(r[i][c]) * x[c];
       y[n + i] = acc;
     }
   }
 #endif
-  for (; n < n1; ++n) y[n] = dot(w + n * k, x, k);
+  for (; n < n1; ++n) {
+    const T* wr = w + n * k;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t c = 0; c < k; ++c) acc += to_f(wr[c]) * x[c];
+    y[n] = acc;
+  }
 }
 
 #if defined(__x86_64__)
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 // gemv_rows with 512-bit vectors, for CPUs with AVX-512 (chosen at run time: the library is
 // built for x86-64-v3).
-__attribute__((target("avx512f"))) void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t k,
+template <typename T>
+__attribute__((target("avx512f"))) void gemv_rows_avx512(const float* x, const T* w, float* y, int64_t k,
                                                           int64_t n0, int64_t n1) {
   int64_t n = n0;
   const int64_t k32 = k - k % 32;
   for (; n + 4 <= n1; n += 4) {
-    const float* r[4] = {w + n * k, w + (n + 1) * k, w + (n + 2) * k, w + (n + 3) * k};
+    const T* r[4] = {w + n * k, w + (n + 1) * k, w + (n + 2) * k, w + (n + 3) * k};
     __m512 a[4], b[4];
     for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k32; c += 32) {
       const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
       for (int i = 0; i < 4; ++i) {
-        a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + c), x0, a[i]);
-        b[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + c + 16), x1, b[i]);
+        a[i] = _mm512_fmadd_ps(load16(r[i] + c), x0, a[i]);
+        b[i] = _mm512_fmadd_ps(load16(r[i] + c + 16), x1, b[i]);
       }
     }
     for (int i = 0; i < 4; ++i) {
       float acc = _mm512_reduce_add_ps(_mm512_add_ps(a[i], b[i]));
-      for (int64_t c = k32; c < k; ++c) acc += r[i][c] * x[c];
+      for (int64_t c = k32; c < k; ++c) acc += to_f(r[i][c]) * x[c];
       y[n + i] = acc;
     }
   }
-  for (; n < n1; ++n) y[n] = dot(w + n * k, x, k);
+  gemv_rows(x, w, y, k, n, n1);  // the last < 4 rows
 }
-const bool kAvx512 = __builtin_cpu_supports("avx512f");
+bool has_avx512() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  return yes;
+}
 #else
-constexpr bool kAvx512 = false;
-void gemv_rows_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+template <typename T>
+void gemv_rows_avx512(const float* x, const T* w, float* y, int64_t k, int64_t n0, int64_t n1) {
+  gemv_rows(x, w, y, k, n0, n1);
+}
+bool has_avx512() { return false; }
 #endif
 
-// x [1, K] @ w [N, K]^T (+ bias [N]) -> [1, N] for a dense float32 w: the batch-1 product of a
-// decode step, read at close to the memory bandwidth (each thread streams one contiguous share
-// of the rows). engine.cpu_linear uses it for one-row inputs; more rows go to oneDNN.
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  check_f32(x, "x");
-  check_f32(w, "w");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous(),
-              "gemv takes x [1, K] and a contiguous w [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({1, n}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename T>
+void gemv_impl(const T* xp, const T* wp, const T* bp, T* yp, int64_t n, int64_t k) {
+  std::vector<float> xf, yf;
+  const float* x = nullptr;
+  float* y = nullptr;
+  if constexpr (std::is_same<T, float>::value) {
+    x = xp, y = yp;
+  } else {
+    xf.resize(k), yf.resize(n);
+    for (int64_t c = 0; c < k; ++c) xf[c] = to_f(xp[c]);
+    x = xf.data(), y = yf.data();
+  }
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n * k) / kGrain));
   const int64_t share = ((n + nt - 1) / nt + 3) / 4 * 4;  // rows per thread, a multiple of 4
   at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t n0 = std::min(n, t * share), n1 = std::min(n, (t + 1) * share);
-      kAvx512 ? gemv_rows_avx512(xp, wp, yp, k, n0, n1) : gemv_rows(xp, wp, yp, k, n0, n1);
+      has_avx512() ? gemv_rows_avx512<T>(x, wp, y, k, n0, n1) : gemv_rows<T>(x, wp, y, k, n0, n1);
     }
   });
+  for (int64_t i = 0; i < n; ++i) yp[i] = from_f<T>(y[i] + (bp ? to_f(bp[i]) : 0.f));
+}
+
+// x [1, K] @ w [N, K]^T (+ bias [N]) -> [1, N] for a dense float32 or bfloat16 w: the batch-1
+// product of a decode step, read at close to the memory bandwidth (each thread streams one
+// contiguous share of the rows), accumulated in float32 (bfloat16: rounded once, with the bias
+// added first, as oneDNN's bf16 linear). engine.cpu_linear uses it for one-row inputs; more rows
+// go to oneDNN.
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_num(x, "x");
+  check_num(w, "w", &x);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous(),
+              "gemv takes x [1, K] and a contiguous w [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor xc = x.contiguous();
+  at::Tensor b;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "bias must be [N]");
-    y.add_(*bias);
+    b = bias->contiguous();
+    check_num(b, "bias", &x);
+    TORCH_CHECK(b.numel() == n, "bias must be [N]");
   }
+  at::Tensor y = at::empty({1, n}, x.options());
+  PD_DISPATCH(x, gemv_impl<T>(ptr<T>(xc), ptr<T>(w), b.defined() ? ptr<T>(b) : nullptr, ptr<T>(y), n, k);)
   return y;
 }
 
-// gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I].
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_f32(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "gate_up must be a contiguous [T, 2I] tensor");
-  const int64_t t = gate_up.size(0), i2 = gate_up.size(1), n = i2 / 2;
-  at::Tensor out = at::empty({t, n}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, std::max<int64_t>(1, kGrain / i2), [&](int64_t b, int64_t e) {
+// gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]; bfloat16: silu rounds to bf16
+// before the product (torch's F.silu(gate) * up).
+template <typename T>
+void silu_mul_impl(const T* gp, T* op, int64_t t, int64_t n) {
+  at::parallel_for(0, t, std::max<int64_t>(1, kGrain / (2 * n)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      const float* g = gp + r * i2;
-      const float* u = g + n;
-      float* o = op + r * n;
+      const T* g = gp + r * 2 * n;
+      const T* u = g + n;
+      T* o = op + r * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
+      for (int64_t i = 0; i < n; ++i) {
+        const float gi = to_f(g[i]);
+        o[i] = from_f<T>(round_to<T>(gi / (1.f + exp_f32(-gi))) * to_f(u[i]));
+      }
     }
   });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_num(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [T, 2I] tensor");
+  const int64_t t = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({t, n}, gate_up.options());
+  PD_DISPATCH(gate_up, silu_mul_impl<T>(ptr<T>(gate_up), ptr<T>(out), t, n);)
   return out;
 }
 

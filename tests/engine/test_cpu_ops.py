@@ -14,7 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, _decode, kv_rows, write_kv
 from engine.attention_meta import build_metadata
 from engine.cpu_linear import DualWeight, pack_weight, packed_linear
-from engine.cpu_ops import TORCH_OPS, KernelOps, load_library, select_ops
+from engine.cpu_ops import TORCH_OPS, KernelOps, load_library, missing_cpu_features, select_ops
 from engine.layers import RotaryTable, apply_rope, linear
 
 pytestmark = pytest.mark.skipif(load_library() is not None,
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(load_library() is not None,
 
 K = KernelOps()
 TOL = dict(rtol=2e-5, atol=2e-5)
+BF16 = torch.bfloat16
 
 
 @pytest.mark.parametrize("t,h", [(1, 576), (8, 576), (3, 100), (300, 64)])
@@ -110,9 +111,10 @@ def test_decode_attention_rejects_bad_ranges():
 def test_select_ops():
     assert select_ops("off", torch.float32, "cpu") is TORCH_OPS
     assert isinstance(select_ops("auto", torch.float32, "cpu"), KernelOps)
-    assert select_ops("auto", torch.bfloat16, "cpu") is TORCH_OPS
-    with pytest.raises(RuntimeError, match="float32 on the CPU only"):
-        select_ops("on", torch.bfloat16, "cpu")
+    assert isinstance(select_ops("auto", torch.bfloat16, "cpu"), KernelOps)
+    assert select_ops("auto", torch.float16, "cpu") is TORCH_OPS
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 on the CPU only"):
+        select_ops("on", torch.float16, "cpu")
 
 
 def test_kv_rows_unchanged_by_key_ranges():
@@ -152,3 +154,69 @@ def test_dual_weight_routes_one_row_to_gemv_and_more_to_onednn():
     assert torch.equal(linear(x, dual), packed_linear(x, dual.packed, None))
     with pytest.raises(RuntimeError, match="gemv takes"):
         torch.ops.pdserve_cpu.gemv(x, w, None)
+
+
+def test_missing_cpu_features_reads_the_flags_line(tmp_path):
+    """A CPU without AVX2/FMA must not load a library built for x86-64-v3 (it would die of SIGILL)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    old = tmp_path / "old"
+    old.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx\n")
+    new = tmp_path / "new"
+    new.write_text("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma avx512f\n")
+    assert missing_cpu_features(old) == ["avx2", "fma"]
+    assert missing_cpu_features(new) == []
+
+
+# bfloat16: the kernels round where the ATen path rounds (each op's output), so the residual add,
+# RMSNorm, SwiGLU and RoPE give ATen's bits; attention and the GEMV accumulate in float32 and
+# round once (as SDPA and oneDNN do), within a bf16 rounding step of them.
+
+def test_bf16_add_rms_norm_and_silu_mul_match_aten_bits():
+    g = torch.Generator().manual_seed(7)
+    x, d = torch.randn(5, 576, generator=g).to(BF16), torch.randn(5, 576, generator=g).to(BF16)
+    w = torch.randn(576, generator=g).to(BF16)
+    ref_x, ref = TORCH_OPS.add_rms_norm(x.clone(), d, w, 1e-5)
+    got_x, got = K.add_rms_norm(x.clone(), d, w, 1e-5)
+    assert torch.equal(got_x, ref_x) and torch.equal(got, ref)
+    gate_up = (torch.randn(5, 2 * 1536, generator=g) * 4).to(BF16)
+    assert torch.equal(K.silu_mul(gate_up), TORCH_OPS.silu_mul(gate_up))
+
+
+def test_bf16_rope_store_kv_matches_aten_bits():
+    nh, kvh, hd, layer = 6, 2, 64, 0
+    qkv = torch.randn(4, nh + 2 * kvh, hd, generator=torch.Generator().manual_seed(8)).to(BF16)
+    positions, blocks, offsets = torch.tensor([0, 7, 100, 301]), torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3])
+    rope = RotaryTable(hd, 10000.0, BF16, size=64)
+    qk = apply_rope(qkv[:, :nh + kvh], *rope.lookup(positions, 301))
+    cache = _cache(blocks=8, layers=2, kvh=kvh, hd=hd).to(BF16)
+    got = qkv.clone()
+    K.rope_store_kv(got, *rope.tables(301, positions.device), positions, cache, layer, blocks, offsets, nh)
+    assert torch.equal(got[:, :nh + kvh], qk)
+    assert torch.equal(cache[blocks, layer, 0, offsets], qk[:, nh:])
+    assert torch.equal(cache[blocks, layer, 1, offsets], qkv[:, nh + kvh:])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_bf16_decode_attention_close_to_sdpa(window):
+    bs, layers, layer, nh, kvh, hd = 4, 2, 1, 6, 2, 64
+    cache = _cache(blocks=30, layers=layers, bs=bs, kvh=kvh, hd=hd, seed=9).to(BF16)
+    items = [_Item(n - 1, list(range(i * 7, i * 7 + -(-n // bs)))) for i, n in enumerate([3, 17, 26])]
+    meta = build_metadata(items, torch.tensor([it.num_computed for it in items]), bs, window, layers)
+    q = torch.randn(3, nh, hd, generator=torch.Generator().manual_seed(10)).to(BF16)
+    ref = _decode(q.float(), cache.float(), layer, meta)  # float32 math on the same bf16 values
+    got = K.decode_attention(q, cache, layer, meta.decode_tables, meta.decode_key_ranges, hd ** -0.5)
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.float(), ref.to(BF16).float(), rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (49, 37), (2048, 1536)])
+def test_bf16_gemv_close_to_onednn(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    x, w, bias = (torch.randn(1, k, generator=g).to(BF16), torch.randn(n, k, generator=g).to(BF16),
+                  torch.randn(n, generator=g).to(BF16))
+    ref = torch.nn.functional.linear(x, w, bias)
+    got = torch.ops.pdserve_cpu.gemv(x, w, bias)
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2 * k ** 0.5)
