@@ -16,9 +16,15 @@ Python client) and the same prompt every time (its wrk run); 4-turn chats of ~15
 shared ~120-word system prompt; ~2,000-token completions sharing their first 1,800 tokens. Prints
 µs per request for each.
 
-``--cold``: only what happens before the ctx request is written, for new 32-word prompts while
-every index is synced and empty (what the overhead bench's fake workers report): with no block
-held anywhere ``kv_cache_aware`` tokenizes after that write (issue 13, fourth pass).
+``--cold``: new 32-word prompts while every index is synced and empty (what the overhead bench's
+fake workers report), two numbers: what happens before the ctx request is written, and the whole
+request's routing work — :meth:`DisaggFlow._with_retries` for the ctx phase (the real
+``_context_attempt``, its upstream write and read stubbed with a canned ctx answer, so the routing
+tokens after the write and the hit self-check are counted) and for the gen pick (issue 13, fourth
+and sixth passes: with no block held anywhere ``kv_cache_aware`` no longer tokenizes at all).
+
+The checkout's own ``orchestrator`` is imported (its root goes on ``sys.path``), not whichever
+one an editable install points to.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's orchestrator/, pdserve/
 
 import httpx  # noqa: E402
 
@@ -150,6 +157,51 @@ async def before_ctx_write(router: str, n: int) -> float:
     return 1e6 * (time.process_time() - t0) / n
 
 
+_CTX_ANSWER = {"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+               "usage": {"prompt_tokens": 33, "completion_tokens": 1, "total_tokens": 34},
+               "choices": [{"index": 0, "text": " x", "finish_reason": None,
+                            "disaggregated_params": {"ctx_request_id": "r", "cached_tokens": 0}}]}
+
+
+async def whole_cold_request(router: str, n: int) -> float:
+    """µs per request of the whole routing work of a request (no block held anywhere, new 32-word
+    prompts): the route hint, ``_with_retries`` of the ctx phase through the real
+    ``_context_attempt`` (upstream I/O stubbed: :data:`_CTX_ANSWER` comes back at once) and of the gen
+    pick (a stub attempt)."""
+    import contextlib
+
+    from orchestrator import disagg, jsonio
+
+    raw = jsonio.dumps(_CTX_ANSWER)
+
+    async def start_post(*args, **kwargs):
+        return contextlib.nullcontext()
+
+    async def read_answer(*args, **kwargs):
+        return raw
+
+    async def gen_attempt(server):
+        return server
+
+    disagg.start_post, disagg.read_answer = start_post, read_answer  # this process only measures
+    flow, _ = await make_flow(router, tokenizer_dir())
+    rng = random.Random(2)
+    bodies = [{"model": MODEL, "prompt": words(rng, 32)} for _ in range(n + 50)]
+
+    async def one(body: dict) -> None:
+        ex = Exchange("/v1/completions", body)
+        hint = ex.hint = await flow._route_hint(ex)
+        await flow._with_retries("ctx", lambda s: flow._context_attempt(ex, s), hint)
+        await flow._with_retries("gen", gen_attempt, hint)
+
+    for body in bodies[:50]:  # warm up
+        await one(body)
+    t0 = time.process_time()
+    for body in bodies[50:]:
+        await one(body)
+    return 1e6 * (time.process_time() - t0) / n
+
+
 async def measure(router: str, n: int) -> dict[str, float]:
     flow, indexes = await make_flow(router, tokenizer_dir())
     loads = workloads(n)
@@ -177,8 +229,10 @@ def main() -> int:
     load = loadavg()
     if a.cold:
         us = asyncio.run(before_ctx_write(a.router, a.requests))
+        whole = asyncio.run(whole_cold_request(a.router, a.requests))
         say(f"router {a.router}, {a.requests} new 32-word prompts, no block held: {us:.1f} µs/request before the "
-            f"ctx write; 1-min load average {load:.1f} -> {loadavg():.1f}")
+            f"ctx write, {whole:.1f} µs/request of routing work in all (ctx attempt with stubbed I/O, gen pick); "
+            f"1-min load average {load:.1f} -> {loadavg():.1f}")
         return 0
     result = asyncio.run(measure(a.router, a.requests))
     say(f"router {a.router}, {a.requests} requests per workload, 1-min load average {load:.1f} -> {loadavg():.1f}")

@@ -163,10 +163,12 @@ class DisaggFlow:
         """What the routers get to know about ``ex``'s prompt (None: nothing).
 
         When no ready server's KV index holds a block, no pick can depend on the prompt's blocks,
-        so tokenizing waits: the hint is *pending* (:meth:`RouteHint.resolve`) and is resolved
-        right after the context request is written (:meth:`_context_attempt`), while the ctx
-        server works, and before any later pick (:meth:`_with_retries`). The picks made before
-        that are the same ones the blocks would give; nothing else reads the hint earlier."""
+        so tokenizing waits: the hint is *pending* (:meth:`RouteHint.resolve`), and is resolved
+        only before a pick whose pool holds a block by then (:meth:`_with_retries`, a migration's
+        new prefill) or when a ctx answer lacks ``usage.prompt_tokens`` (the hit self-check reads
+        the prompt's length there: :meth:`_check_pending_hits`). Usually it never is: a request
+        in front of servers whose caches hold nothing is not tokenized at all. The picks made on
+        a pending hint are the same ones the blocks would give."""
         tokenizer = self._tokenizer
         if tokenizer is None:
             return RouteHint(session=ex.session) if ex.session else None
@@ -371,10 +373,11 @@ class DisaggFlow:
         """
         tried: set[str] = set(exclude or ())
         failures = list(failures or ())
+        router, pool = self._routers[role], self._pools.pool(role)
         for n in range(len(failures), 1 + self._settings.max_retries):
-            if hint is not None and (n or role == "gen"):
-                hint.resolve()  # a pending hint's "no block held" held at the first ctx pick only
-            server = self._routers[role].pick(self._pools.pool(role), tried, hint)
+            if hint is not None and hint.pending is not None and router.holds_blocks(pool):
+                hint.resolve()  # this pick may depend on the blocks now: tokenize and hash (once)
+            server = router.pick(pool, tried, hint)
             if server is None:
                 break
             if n:
@@ -401,9 +404,10 @@ class DisaggFlow:
         """Hit tokens the KV index predicts on ``server`` now (call before the first await: at pick time)."""
         return None if self._selfcheck is None else self._selfcheck.predict(server.url, hint)
 
-    def _check_hits(self, role: Role, ex: Exchange, predicted: int | None, answer: object) -> None:
+    def _check_hits(self, role: Role, ex: Exchange, predicted: int | None, answer: object,
+                    prompt_tokens: int | None = None) -> None:
         if self._selfcheck is not None:
-            self._selfcheck.record(role, ex.hint, predicted, reported_hit(answer))
+            self._selfcheck.record(role, ex.hint, predicted, reported_hit(answer), prompt_tokens)
 
     async def _context_attempt(self, ex: Exchange, server: Server,
                                then: Callable[[], Awaitable[None]] | None = None) -> dict:
@@ -415,7 +419,7 @@ class DisaggFlow:
         hint = ex.hint
         pending = hint is not None and hint.pending is not None
         # At pick time (before any await); a pending hint: the server held no block then (its
-        # prediction is 0 or, unsynced, None), known once the prompt's length is.
+        # prediction is 0 or, unsynced, None).
         predicted = self._predict(server, hint) if not pending else None
         synced = pending and self._selfcheck is not None and self._selfcheck.synced(server.url)
         dp = {"request_type": "context_only", "disagg_request_id": ex.disagg_request_id}
@@ -434,18 +438,33 @@ class DisaggFlow:
                 except BaseException:
                     sent.close()  # nobody will read the answer: closing aborts the prefill
                     raise
-            if pending:  # while the ctx server works: tokenize and hash for the later picks
-                assert hint is not None
-                hint.resolve()
-                predicted = 0 if synced and hint.num_tokens > 0 else None
             raw = await read_answer(sent, deadline, "ctx", timeout_s)
         try:
             answer = parse_ctx_answer(raw)
         except ValueError:
             raise AttemptFailed("ctx answer is not JSON") from None
         check_ctx_answer(answer, num_choices(ex.body), ex.choice_index or 0)
-        self._check_hits("ctx", ex, predicted, answer)
+        if pending and self._selfcheck is not None:
+            self._check_pending_hits(ex, synced, answer)
+        else:
+            self._check_hits("ctx", ex, predicted, answer)
         return answer
+
+    def _check_pending_hits(self, ex: Exchange, synced: bool, answer: dict) -> None:
+        """The ctx self-check of a request routed on a pending hint (no server held a block at its
+        pick: predicted 0 where the index was synced, None where not). The prompt's length is the
+        ctx server's own ``usage.prompt_tokens``, so the prompt is not tokenized for it; only an
+        answer without that number makes the hint resolve here (and only when it reports a hit:
+        without one the self-check counts nothing)."""
+        hint = ex.hint
+        assert hint is not None
+        if reported_hit(answer) is None:
+            return
+        prompt_tokens = _prompt_tokens(answer) if hint.pending is not None else None
+        if prompt_tokens is None:
+            prompt_tokens = hint.resolve().num_tokens
+        predicted = 0 if synced and prompt_tokens > 0 else None
+        self._check_hits("ctx", ex, predicted, answer, prompt_tokens)
 
     async def _gen_json_attempt(self, ex: Exchange, server: Server, body: bytes) -> Response:
         predicted = self._predict(server, ex.hint) if ex.colocated else None
@@ -496,6 +515,13 @@ class DisaggFlow:
         elapsed = time.monotonic() - ex.started_s
         self._metrics.child(self._metrics.ttft, ex.endpoint).observe(elapsed)
         self._metrics.child(self._metrics.e2e, ex.endpoint).observe(elapsed)
+
+
+def _prompt_tokens(answer: dict) -> int | None:
+    """``usage.prompt_tokens`` of a server's answer (a positive int), else None."""
+    usage = answer.get("usage")
+    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def check_ctx_answer(answer: dict, n: int = 1, first_index: int = 0) -> None:

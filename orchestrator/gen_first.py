@@ -214,7 +214,10 @@ class GenerationFirstFlow(DisaggFlow):
 
         Why the ctx request first: it is the TTFT's critical path (its server starts the prefill at
         once), while the gen server only allocates and then waits for that prefill anyway."""
-        gen_server = self._routers["gen"].pick(self._pools.gen, set(), hint)
+        gen_router = self._routers["gen"]
+        if hint is not None and hint.pending is not None and gen_router.holds_blocks(self._pools.gen):
+            hint.resolve()  # a gen server holds blocks now: this pick may depend on them
+        gen_server = gen_router.pick(self._pools.gen, set(), hint)
         if gen_server is None:
             raise OrchestratorError(503, f"generation phase impossible: no ready gen server "
                                     f"({self._pools.not_ready_reason() or 'all tried'})", kind="gen_failed",

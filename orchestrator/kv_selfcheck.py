@@ -83,17 +83,23 @@ class HitSelfCheck:
             return None
         return min(matched, (hint.num_tokens - 1) // self.block_size) * self.block_size
 
-    def record(self, pool: str, hint: RouteHint | None, predicted: int | None, reported: int | None) -> None:
-        """Count one answered request of ``pool`` (skipped without token ids or a reported hit)."""
-        if hint is None or hint.num_tokens <= 0 or reported is None:
+    def record(self, pool: str, hint: RouteHint | None, predicted: int | None, reported: int | None,
+               prompt_tokens: int | None = None) -> None:
+        """Count one answered request of ``pool`` (skipped without a prompt length or a reported hit).
+        ``prompt_tokens``: the prompt's length when the hint's is not computed (a pending hint: the
+        server's ``usage.prompt_tokens``); None: ``hint.num_tokens``."""
+        if hint is None or reported is None:
+            return
+        num_tokens = hint.num_tokens if prompt_tokens is None else prompt_tokens
+        if num_tokens <= 0:
             return
         hits = self.pools[pool]
         hits.requests += 1
-        hits.prompt_tokens += hint.num_tokens
+        hits.prompt_tokens += num_tokens
         hits.reported_hit_tokens += reported
         hits.predicted_hit_tokens += predicted or 0
         prompt, reported_c, predicted_c, unindexed = self._children[pool]
-        prompt.inc(hint.num_tokens)
+        prompt.inc(num_tokens)
         reported_c.inc(reported)
         predicted_c.inc(predicted or 0)
         if predicted is None:

@@ -48,7 +48,9 @@ class RouteHint:
     ``pending``: the prompt's blocks are not computed yet (no server held a block when the request
     was routed, so no pick needed them: :meth:`orchestrator.disagg.DisaggFlow._route_hint`);
     :meth:`resolve` computes them (once) and fills this same object in, so every holder of the
-    hint sees them. One object per request: do not share it between requests."""
+    hint sees them; a pick reads a pending hint as holding no blocks (call :meth:`resolve`
+    first where the pool's router :meth:`Router.holds_blocks`). One object per request: do not
+    share it between requests."""
 
     block_hashes: Sequence[bytes] = ()
     num_tokens: int = 0

@@ -1,6 +1,7 @@
-"""kv_cache_aware tokenizes a prompt after its context request is written when no server's KV
-index holds a block (no pick can depend on the blocks then), and before it otherwise; the picks
-and the hit self-check come out the same either way."""
+"""kv_cache_aware does not tokenize a prompt when no server's KV index holds a block (no pick can
+depend on the blocks then; the hit self-check takes the prompt's length from the ctx answer's
+usage), tokenizes it before the pick otherwise, and before any later pick whose pool holds a
+block by then; the picks and the hit self-check come out the same either way."""
 
 from __future__ import annotations
 
@@ -70,14 +71,32 @@ def setup(monkeypatch):
     return flow, indexes, check, log
 
 
-def run(flow: DisaggFlow) -> None:
-    asyncio.run(flow.handle(Exchange("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 4})))
+def run(flow: DisaggFlow) -> Exchange:
+    ex = Exchange("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 4})
+    asyncio.run(flow.handle(ex))
+    return ex
 
 
-def test_no_block_held_anywhere_tokenizes_while_the_ctx_server_works(setup):
+def test_no_block_held_anywhere_never_tokenizes(setup):
     flow, _, check, log = setup
+    ex = run(flow)
+    assert log == ["write http://ctx0", "read"]
+    assert ex.hint is not None and ex.hint.pending is not None  # still pending: never needed
+    hits = check.pools["ctx"]  # the length is the ctx server's usage.prompt_tokens
+    assert (hits.requests, hits.prompt_tokens, hits.predicted_hit_tokens, hits.unindexed) == (1, 24, 0, 0)
+
+
+def test_an_answer_without_prompt_tokens_tokenizes_after_it_for_the_self_check(setup, monkeypatch):
+    flow, _, check, log = setup
+    no_usage = {k: v for k, v in FINAL.items() if k != "usage"}
+
+    async def read_answer(pending, deadline, phase, timeout_s):
+        log.append("read")
+        return json.dumps(no_usage).encode()
+
+    monkeypatch.setattr(disagg, "read_answer", read_answer)
     run(flow)
-    assert log == ["write http://ctx0", "tokenize", "read"]
+    assert log == ["write http://ctx0", "read", "tokenize"]
     hits = check.pools["ctx"]
     assert (hits.requests, hits.prompt_tokens, hits.predicted_hit_tokens, hits.unindexed) == (1, 24, 0, 0)
 
@@ -86,7 +105,30 @@ def test_an_unsynced_index_predicts_nothing_either_way(setup):
     flow, indexes, check, log = setup
     indexes.get("http://ctx0").drop("stream broke")
     run(flow)
-    assert log == ["write http://ctx0", "tokenize", "read"] and check.pools["ctx"].unindexed == 1
+    assert log == ["write http://ctx0", "read"] and check.pools["ctx"].unindexed == 1
+
+
+def test_a_later_pick_tokenizes_once_its_pool_holds_a_block(setup):
+    """A pending hint (nothing held at the ctx pick) meets a gen pool where gen1 now holds the
+    prompt's first 4 of 6 blocks: the gen pick tokenizes first and goes there; a gen pool that
+    still holds nothing picks without tokenizing."""
+    flow, indexes, _, log = setup
+    ex = Exchange("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 4})
+
+    async def attempt(server):
+        return server.url
+
+    async def gen_pick():
+        return await flow._with_retries("gen", attempt, ex.hint)
+
+    ex.hint = asyncio.run(flow._route_hint(ex))
+    assert ex.hint is not None and ex.hint.pending is not None and log == []
+    asyncio.run(gen_pick())
+    assert log == [] and ex.hint.pending is not None  # nothing held: load decides, no tokens needed
+    indexes.get("http://gen1").load_snapshot(KVSnapshot("e", 1, block_hashes(IDS, BS, "m", "float32")[:4]))
+    _, url = asyncio.run(gen_pick())
+    assert log == ["tokenize"] and url == "http://gen1" and ex.hint.pending is None
+    assert ex.hint.num_tokens == 24 and len(ex.hint.block_hashes) == 6
 
 
 def test_a_held_block_tokenizes_first_and_routes_on_it(setup):
