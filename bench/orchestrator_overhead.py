@@ -301,8 +301,11 @@ What each router does per request (be fair when reading the numbers):
   the generation phase to B at once and relays B's stream; B (the fake) really waits — it streams
   only once A has answered that request's context phase: {signal_note}
 - The fake workers publish KV events as a real server does (`GET /kv_events`: an empty snapshot,
-  then heartbeats), so `kv_cache_aware`'s indexes are synced (and empty): it tokenizes and scores
-  every prompt as it would in front of real servers.
+  then heartbeats), so `kv_cache_aware`'s indexes are synced and stay empty. Since issue 13's sixth
+  pass an index that holds no block makes `kv_cache_aware` skip tokenizing (no pick can depend on
+  blocks then): these rows show its cost in front of empty caches. In front of caches that hold
+  blocks it also tokenizes and hashes each new prompt before the pick: ~60–90 µs of router CPU per
+  new 32-word prompt on this machine (`bench/route_cost.py`).
 - **sglang-router** (Rust, `--pd-disaggregation`): sends the request to A and B *at once* with
   `bootstrap_*` fields and relays B's stream; the prefill→decode handoff is the workers' business
   (over the bootstrap server), so the router's own critical path has one round trip.
