@@ -41,7 +41,8 @@ def test_unpulled_lease_expires_on_idle_server(ctx_url):
     assert params["kv_block_count"] == -(-len(params["prompt_token_ids"]) // 4)
     assert params["kv_endpoint"].startswith(("tcp://127.0.0.1:", "ucx://127.0.0.1:"))
     assert len(params["first_gen_tokens"]) == 1 and params["disagg_request_id"] == "t-1"
-    assert info(ctx_url)["free_blocks"] < start and info(ctx_url)["parked_leases"] == 1
+    held = info(ctx_url)  # one snapshot: on a loaded machine the 0.6 s lease may be over already
+    assert (held["free_blocks"] < start and held["parked_leases"] == 1) or held["leases_expired"] == 1, held
     t0 = time.monotonic()
     while info(ctx_url)["free_blocks"] != start and time.monotonic() - t0 < 5:
         time.sleep(0.05)
