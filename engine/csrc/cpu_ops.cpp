@@ -28,10 +28,6 @@ constexpr int64_t kGrain = 32768;  // elements below which a loop stays on the c
 
 using bf16_t = uint16_t;  // bfloat16 bits (at::BFloat16's layout)
 
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
-}
-
 // A float32 or bfloat16 CPU tensor, of `like`'s dtype when given.
 void check_num(const at::Tensor& t, const char* name, const at::Tensor* like = nullptr) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
