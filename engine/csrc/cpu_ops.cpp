@@ -9,10 +9,15 @@
 //   decode_attention one query token per sequence against its paged K/V (GQA, sliding windows)
 //   silu_mul         SwiGLU's silu(gate) * up
 //   gemv             one-row linear product streamed at close to the memory bandwidth
+//   decode_layers    every decoder layer of a batch-1 decode step in one call: the kernels above
+//                    (their same inner loops and GEMV row splits: bit for bit the per-op result)
+//                    in one OpenMP region with barriers between dependent phases, instead of ~9
+//                    dispatcher calls, Python steps and parallel regions per layer
 // float32 or bfloat16 (math in float32; bfloat16 results rounded where the ATen path rounds its
 // op outputs, so RMSNorm, SwiGLU and RoPE give ATen's bits), row-major, CPU; bad shapes and
 // dtypes raise c10::Error (RuntimeError in Python).
-// Parallel regions use ATen's thread pool (at::parallel_for), never a second OpenMP runtime.
+// Parallel regions use ATen's thread pool (at::parallel_for; decode_layers an `omp parallel` of
+// at::get_num_threads() threads on the same libgomp), never a second OpenMP runtime.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
