@@ -28,7 +28,8 @@ SMOLLM2 = dict(num_layers=3, hidden_size=576, intermediate_size=1536, num_heads=
 
 def _config(dims: dict, **kw) -> ModelConfig:
     return ModelConfig(architecture="llama", rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
-                       tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=[], **dims, **kw)
+                       tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=[],
+                       **dims, **kw)
 
 
 def _state(c: ModelConfig, seed: int, qkv_bias: bool = False) -> dict[str, torch.Tensor]:
