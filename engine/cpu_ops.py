@@ -140,8 +140,13 @@ class TorchOps:
 @dataclass(frozen=True)
 class KernelOps:
     """The same steps on the fused kernels (float32 or bfloat16 CPU tensors); plus the decode-only
-    rope_store_kv and decode_attention, which the model calls when ``kernels`` is set."""
+    rope_store_kv and decode_attention, which the model calls when ``kernels`` is set.
 
+    fuse_decode_layers: a step of exactly one decode token runs every decoder layer in one
+    kernel call (decode_layers; engine.model.LlamaModel decides when it applies), bit for bit the
+    per-op kernels' result; False keeps the per-op path (the A/B arm of bench/cpu_kernels.py)."""
+
+    fuse_decode_layers: bool = True
     name = "pdserve_cpu"
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -165,6 +170,21 @@ class KernelOps:
                          tables: torch.Tensor, key_ranges: torch.Tensor, scale: float) -> torch.Tensor:
         """q [D, heads, hd] against keys [lo, hi) of each row's block table -> [D, heads, hd]."""
         return torch.ops.pdserve_cpu.decode_attention(q, kv_cache, layer, tables, key_ranges, scale)
+
+    def decode_layers(self, x: torch.Tensor, weights: list[torch.Tensor], qkv_biases: list[torch.Tensor],
+                      kv_cache: torch.Tensor, rope: tuple[torch.Tensor, ...], slot_blocks: torch.Tensor,
+                      slot_offsets: torch.Tensor, tables: torch.Tensor, key_ranges: torch.Tensor,
+                      eps: float, scale: float, num_heads: int) -> torch.Tensor:
+        """All decoder layers for one decode token: x [1, H] (its embedding; updated in place into
+        the residual stream before the last MLP), weights 6 per layer (attn_norm, dense qkv,
+        o_proj, mlp_norm, gate_up, down), qkv_biases [] or one per layer, rope (cos, sin tables
+        [P, hd], positions [1]), its KV slot [1] + [1], its block table [1, nb] and key range
+        [1, 2]. Writes layer l's K/V into kv_cache. Returns the last MLP output [1, H] (not yet
+        added to x). Raises RuntimeError on shapes or dtypes that disagree."""
+        cos, sin, positions = rope
+        return torch.ops.pdserve_cpu.decode_layers(x, weights, qkv_biases, kv_cache, cos, sin, positions,
+                                                   slot_blocks, slot_offsets, tables, key_ranges, eps, scale,
+                                                   num_heads)
 
 
 TORCH_OPS = TorchOps()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, attend, paged_attention
-from engine.cpu_linear import pack_decoder_linears
+from engine.cpu_linear import DualWeight, pack_decoder_linears
 from engine.cpu_ops import TORCH_OPS, KernelOps, TorchOps
 from engine.layers import RotaryTable, apply_rope, linear, rms_norm
 from engine.model_config import ModelConfig
@@ -53,6 +53,8 @@ class LlamaModel:
                                 scaling=config.rope_scaling)
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
         self.ops = ops
+        # id(layer list) -> (that list, its decode_layers weights or None): _fused_decode_weights
+        self._fused: dict[int, tuple[list[LayerWeights], tuple | None]] = {}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
@@ -75,15 +77,59 @@ class LlamaModel:
             max_position = int(positions.max())
         rope = self._rope_inputs(positions, max_position)
         delta = None  # the last sublayer's output, not yet added to the residual stream x
-        for i, w in enumerate(self.layers):
-            x, h = ops.add_rms_norm(x, delta, w.attn_norm, c.rms_norm_eps)
-            x, h = ops.add_rms_norm(x, self._attention(h, w, rope, kv_cache, i, metas[self.windows[i]]),
-                                    w.mlp_norm, c.rms_norm_eps)
-            delta = all_reduce(linear(ops.silu_mul(linear(h, w.gate_up)), w.down), self.tp)
+        fused = self._fused_decode_weights(input_ids.shape[0], metas)
+        if fused is not None:  # one decode token: every layer in one kernel call, same bits
+            meta = metas[None]
+            delta = ops.decode_layers(x, *fused, kv_cache, rope, meta.slot_blocks, meta.slot_offsets,
+                                      meta.decode_tables, meta.decode_key_ranges, c.rms_norm_eps,
+                                      c.head_dim ** -0.5, self.shard.num_heads)
+        else:
+            for i, w in enumerate(self.layers):
+                x, h = ops.add_rms_norm(x, delta, w.attn_norm, c.rms_norm_eps)
+                x, h = ops.add_rms_norm(x, self._attention(h, w, rope, kv_cache, i, metas[self.windows[i]]),
+                                        w.mlp_norm, c.rms_norm_eps)
+                delta = all_reduce(linear(ops.silu_mul(linear(h, w.gate_up)), w.down), self.tp)
         if not compute_logits:
             return None
         _, x = ops.add_rms_norm((x + delta)[sample_rows], None, self.norm, c.rms_norm_eps)
         return linear(x, self.lm_head).float()
+
+    def _fused_decode_weights(self, num_tokens: int, metas: Mapping[int | None, AttentionMetadata]
+                              ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(weights, qkv_biases) for KernelOps.decode_layers when this step can run it, else None:
+        kernels with fuse_decode_layers, one token and it a decode row, no TP, full attention in
+        every layer, no Qwen3 q/k norm, no o_proj bias, every linear a DualWeight (the path whose
+        bits the fused kernel reproduces: the GEMV kernel)."""
+        ops = self.ops
+        if not (isinstance(ops, KernelOps) and ops.fuse_decode_layers and num_tokens == 1):
+            return None
+        meta = metas.get(None)
+        if meta is None or meta.num_decodes != 1 or meta.prefills or meta.decode_key_ranges is None:
+            return None
+        layers, fused = self._fused.get(id(self.layers), (None, None))
+        if layers is not self.layers:  # built once per layer list (a benchmark swaps lists)
+            if len(self._fused) >= 4:
+                self._fused.clear()
+            fused = self._flat_decode_weights()
+            self._fused[id(self.layers)] = (self.layers, fused)
+        return fused
+
+    def _flat_decode_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The layers' dense weights in decode_layers' order, or None when a layer cannot fuse."""
+        if self.tp.size != 1 or any(win is not None for win in self.windows):
+            return None
+        weights, biases = [], []
+        for w in self.layers:
+            linears = (w.qkv, w.o_proj, w.gate_up, w.down)
+            if (w.q_norm is not None or w.o_bias is not None
+                    or not all(isinstance(m, DualWeight) for m in linears)):
+                return None
+            weights += [w.attn_norm, w.qkv.dense, w.o_proj.dense, w.mlp_norm, w.gate_up.dense, w.down.dense]
+            if w.qkv_bias is not None:
+                biases.append(w.qkv_bias)
+        if biases and len(biases) != len(self.layers):
+            return None
+        return weights, biases
 
     def _rope_inputs(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, ...]:
         """What _attention rotates with: (cos, signed sin) rows [T, hd] for ATen ops; the whole

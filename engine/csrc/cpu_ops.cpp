@@ -9,17 +9,25 @@
 //   decode_attention one query token per sequence against its paged K/V (GQA, sliding windows)
 //   silu_mul         SwiGLU's silu(gate) * up
 //   gemv             one-row linear product streamed at close to the memory bandwidth
+//   decode_layers    every decoder layer of a batch-1 decode step in one call: the kernels above
+//                    (their same inner loops and GEMV row splits: bit for bit the per-op result)
+//                    in one OpenMP region with barriers between dependent phases, instead of ~9
+//                    dispatcher calls, Python steps and parallel regions per layer
 // float32 or bfloat16 (math in float32; bfloat16 results rounded where the ATen path rounds its
 // op outputs, so RMSNorm, SwiGLU and RoPE give ATen's bits), row-major, CPU; bad shapes and
 // dtypes raise c10::Error (RuntimeError in Python).
-// Parallel regions use ATen's thread pool (at::parallel_for), never a second OpenMP runtime.
+// Parallel regions use ATen's thread pool (at::parallel_for; decode_layers an `omp parallel` of
+// at::get_num_threads() threads on the same libgomp), never a second OpenMP runtime.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -90,23 +98,23 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // RMSNorm of the (updated) x scaled by w [H]. bfloat16: the sum rounds to bf16 (torch's add),
 // the norm runs in float32 and rounds before the bf16 scale (HF's LlamaRMSNorm order).
 template <typename T>
+void add_rms_norm_row(T* xr, const T* dr, const T* wp, T* o, int64_t h, float eps) {
+  if (dr) {
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(dr[i]));
+  }
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < h; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) o[i] = from_f<T>(to_f(wp[i]) * round_to<T>(to_f(xr[i]) * inv));
+}
+
+template <typename T>
 void add_rms_norm_impl(T* xp, const T* dp, const T* wp, T* op, int64_t t, int64_t h, float eps) {
   at::parallel_for(0, t, std::max<int64_t>(1, kGrain / h), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      T* xr = xp + r * h;
-      if (dp) {
-        const T* dr = dp + r * h;
-#pragma omp simd
-        for (int64_t i = 0; i < h; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(dr[i]));
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < h; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-      T* o = op + r * h;
-#pragma omp simd
-      for (int64_t i = 0; i < h; ++i) o[i] = from_f<T>(to_f(wp[i]) * round_to<T>(to_f(xr[i]) * inv));
-    }
+    for (int64_t r = b; r < e; ++r) add_rms_norm_row<T>(xp + r * h, dp ? dp + r * h : nullptr, wp, op + r * h, h, eps);
   });
 }
 
@@ -132,10 +140,23 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, co
 // rope_store_kv's loops (below). bfloat16: each product and the sum round to bf16, as
 // apply_rope's x * cos + roll(x) * sin does in that dtype.
 template <typename T>
+void rope_head(T* x, const T* c, const T* s, int64_t hd, float* tmp) {
+  const int64_t half = hd / 2;
+  for (int64_t d = 0; d < hd; ++d) tmp[d] = to_f(x[d]);
+  // x * cos + roll(x, half) * signed_sin (engine.layers.apply_rope)
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d)
+    x[d] = from_f<T>(round_to<T>(tmp[d] * to_f(c[d])) + round_to<T>(tmp[d + half] * to_f(s[d])));
+#pragma omp simd
+  for (int64_t d = half; d < hd; ++d)
+    x[d] = from_f<T>(round_to<T>(tmp[d] * to_f(c[d])) + round_to<T>(tmp[d - half] * to_f(s[d])));
+}
+
+template <typename T>
 void rope_store_kv_impl(T* qp, T* cp, const T* ct, const T* st, const int64_t* pp, const int64_t* bp,
                         const int64_t* ofp, int64_t t, int64_t num_heads, int64_t kvh, int64_t hd, int64_t bs,
                         int64_t nlayers, int64_t layer) {
-  const int64_t heads = num_heads + 2 * kvh, half = hd / 2;
+  const int64_t heads = num_heads + 2 * kvh;
   const int64_t row = bs * kvh * hd;  // one block's K (or V) of one layer
   at::parallel_for(0, t, std::max<int64_t>(1, kGrain / (heads * hd)), [&](int64_t b, int64_t e) {
     std::vector<float> tmp(hd);
@@ -143,17 +164,7 @@ void rope_store_kv_impl(T* qp, T* cp, const T* ct, const T* st, const int64_t* p
       const T* c = ct + pp[i] * hd;
       const T* s = st + pp[i] * hd;
       T* tok = qp + i * heads * hd;
-      for (int64_t h = 0; h < num_heads + kvh; ++h) {
-        T* x = tok + h * hd;
-        for (int64_t d = 0; d < hd; ++d) tmp[d] = to_f(x[d]);
-        // x * cos + roll(x, half) * signed_sin (engine.layers.apply_rope)
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d)
-          x[d] = from_f<T>(round_to<T>(tmp[d] * to_f(c[d])) + round_to<T>(tmp[d + half] * to_f(s[d])));
-#pragma omp simd
-        for (int64_t d = half; d < hd; ++d)
-          x[d] = from_f<T>(round_to<T>(tmp[d] * to_f(c[d])) + round_to<T>(tmp[d - half] * to_f(s[d])));
-      }
+      for (int64_t h = 0; h < num_heads + kvh; ++h) rope_head<T>(tok + h * hd, c, s, hd, tmp.data());
       T* kdst = cp + ((bp[i] * nlayers + layer) * 2) * row + ofp[i] * kvh * hd;
       std::copy(tok + num_heads * hd, tok + (num_heads + kvh) * hd, kdst);
       std::copy(tok + (num_heads + kvh) * hd, tok + heads * hd, kdst + row);
@@ -278,53 +289,77 @@ struct DecodeShape {
   int64_t d, nh, hd, kvh, bs, nb, nlayers, layer, qs0, qs1;
 };
 
-// decode_attention's loop over (sequence, KV head) units. bfloat16: the unit's q heads, keys and
-// values are widened to float32 first (one pass; the math is the float32 path's), the output
-// rounded once.
+// One thread's scratch for decode_attention units (reused across units and layers).
+struct AttendScratch {
+  std::vector<float> score, qbuf, kbuf, vbuf, obuf;
+  std::vector<const float*> kptr, vptr;
+};
+
+// Unit u = (sequence u / kvh, KV head u % kvh) of decode_attention. bfloat16: the unit's q heads,
+// keys and values are widened to float32 first (one pass; the math is the float32 path's), the
+// output rounded once.
+template <typename T>
+void decode_unit(const T* qp, const T* cp, T* op, const int64_t* tp, const int64_t* rp, const DecodeShape& sh,
+                 float scale, int64_t u, AttendScratch& sc) {
+  constexpr bool wide = std::is_same<T, float>::value;
+  const int64_t hd = sh.hd, group = sh.nh / sh.kvh, row = sh.bs * sh.kvh * hd;
+  auto& [score, qbuf, kbuf, vbuf, obuf, kptr, vptr] = sc;
+  const int64_t r = u / sh.kvh, g = u % sh.kvh, lo = rp[2 * r], hi = rp[2 * r + 1], n = hi - lo;
+  kptr.resize(n);
+  vptr.resize(n);
+  if (!wide) {
+    kbuf.resize(n * hd);
+    vbuf.resize(n * hd);
+  }
+  for (int64_t j = lo, blk = lo / sh.bs, off = lo % sh.bs; j < hi; ++j) {  // no division per key
+    const T* k = cp + ((tp[r * sh.nb + blk] * sh.nlayers + sh.layer) * 2) * row + (off * sh.kvh + g) * hd;
+    if constexpr (wide) {
+      kptr[j - lo] = k;
+      vptr[j - lo] = k + row;
+    } else {
+      float* kf = kbuf.data() + (j - lo) * hd;
+      float* vf = vbuf.data() + (j - lo) * hd;
+      for (int64_t c = 0; c < hd; ++c) kf[c] = to_f(k[c]), vf[c] = to_f(k[row + c]);
+      kptr[j - lo] = kf;
+      vptr[j - lo] = vf;
+    }
+    if (++off == sh.bs) off = 0, ++blk;
+  }
+  const T* q = qp + r * sh.qs0 + g * group * sh.qs1;
+  T* o = op + (r * sh.nh + g * group) * hd;
+  if constexpr (wide) {
+    attend_kv_head(q, sh.qs1, group, kptr.data(), vptr.data(), n, hd, scale, o, score);
+  } else {
+    qbuf.resize(group * hd);
+    obuf.resize(group * hd);
+    for (int64_t a = 0; a < group; ++a)
+      for (int64_t c = 0; c < hd; ++c) qbuf[a * hd + c] = to_f(q[a * sh.qs1 + c]);
+    attend_kv_head(qbuf.data(), hd, group, kptr.data(), vptr.data(), n, hd, scale, obuf.data(), score);
+    for (int64_t i = 0; i < group * hd; ++i) o[i] = from_f<T>(obuf[i]);
+  }
+}
+
+// decode_attention's loop over (sequence, KV head) units.
 template <typename T>
 void decode_attention_impl(const T* qp, const T* cp, T* op, const int64_t* tp, const int64_t* rp,
                            const DecodeShape& sh, float scale, int64_t grain) {
-  constexpr bool wide = std::is_same<T, float>::value;
-  const int64_t hd = sh.hd, group = sh.nh / sh.kvh, row = sh.bs * sh.kvh * hd;
   at::parallel_for(0, sh.d * sh.kvh, grain, [&](int64_t b, int64_t e) {
-    std::vector<float> score, qbuf, kbuf, vbuf, obuf;
-    std::vector<const float*> kptr, vptr;
-    for (int64_t u = b; u < e; ++u) {
-      const int64_t r = u / sh.kvh, g = u % sh.kvh, lo = rp[2 * r], hi = rp[2 * r + 1], n = hi - lo;
-      kptr.resize(n);
-      vptr.resize(n);
-      if (!wide) {
-        kbuf.resize(n * hd);
-        vbuf.resize(n * hd);
-      }
-      for (int64_t j = lo, blk = lo / sh.bs, off = lo % sh.bs; j < hi; ++j) {  // no division per key
-        const T* k = cp + ((tp[r * sh.nb + blk] * sh.nlayers + sh.layer) * 2) * row + (off * sh.kvh + g) * hd;
-        if constexpr (wide) {
-          kptr[j - lo] = k;
-          vptr[j - lo] = k + row;
-        } else {
-          float* kf = kbuf.data() + (j - lo) * hd;
-          float* vf = vbuf.data() + (j - lo) * hd;
-          for (int64_t c = 0; c < hd; ++c) kf[c] = to_f(k[c]), vf[c] = to_f(k[row + c]);
-          kptr[j - lo] = kf;
-          vptr[j - lo] = vf;
-        }
-        if (++off == sh.bs) off = 0, ++blk;
-      }
-      const T* q = qp + r * sh.qs0 + g * group * sh.qs1;
-      T* o = op + (r * sh.nh + g * group) * hd;
-      if constexpr (wide) {
-        attend_kv_head(q, sh.qs1, group, kptr.data(), vptr.data(), n, hd, scale, o, score);
-      } else {
-        qbuf.resize(group * hd);
-        obuf.resize(group * hd);
-        for (int64_t a = 0; a < group; ++a)
-          for (int64_t c = 0; c < hd; ++c) qbuf[a * hd + c] = to_f(q[a * sh.qs1 + c]);
-        attend_kv_head(qbuf.data(), hd, group, kptr.data(), vptr.data(), n, hd, scale, obuf.data(), score);
-        for (int64_t i = 0; i < group * hd; ++i) o[i] = from_f<T>(obuf[i]);
-      }
-    }
+    AttendScratch sc;
+    for (int64_t u = b; u < e; ++u) decode_unit<T>(qp, cp, op, tp, rp, sh, scale, u, sc);
   });
+}
+
+// Checks that each of the d rows' key range [lo, hi) (rp [d, 2]) is non-empty and inside its row of
+// the block table tp [d, nb], whose blocks must lie in the cache. Returns the number of keys.
+int64_t check_key_ranges(const int64_t* tp, const int64_t* rp, int64_t d, int64_t nb, int64_t bs, int64_t nblocks) {
+  int64_t keys = 0;
+  for (int64_t r = 0; r < d; ++r) {
+    TORCH_CHECK(0 <= rp[2 * r] && rp[2 * r] < rp[2 * r + 1] && rp[2 * r + 1] <= nb * bs, "bad key range");
+    for (int64_t j = rp[2 * r] / bs; j < (rp[2 * r + 1] + bs - 1) / bs; ++j)
+      TORCH_CHECK(0 <= tp[r * nb + j] && tp[r * nb + j] < nblocks, "block id outside the cache");
+    keys += rp[2 * r + 1] - rp[2 * r];
+  }
+  return keys;
 }
 
 // q [D, nh, hd] (rows may be strided: a view of qkv); tables [D, nb] block ids; key_ranges
@@ -349,13 +384,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, int
   const int64_t nb = tab.size(1);
   const int64_t* tp = tab.data_ptr<int64_t>();
   const int64_t* rp = rng.data_ptr<int64_t>();
-  int64_t keys = 0;
-  for (int64_t r = 0; r < d; ++r) {
-    TORCH_CHECK(0 <= rp[2 * r] && rp[2 * r] < rp[2 * r + 1] && rp[2 * r + 1] <= nb * bs, "bad key range");
-    for (int64_t j = rp[2 * r] / bs; j < (rp[2 * r + 1] + bs - 1) / bs; ++j)
-      TORCH_CHECK(0 <= tp[r * nb + j] && tp[r * nb + j] < nblocks, "block id outside the cache");
-    keys += rp[2 * r + 1] - rp[2 * r];
-  }
+  const int64_t keys = check_key_ranges(tp, rp, d, nb, bs, nblocks);
   at::Tensor out = at::empty({d, nh, hd}, q.options());
   const int64_t group = nh / kvh;
   // about kGrain multiply-adds of work per task
@@ -456,6 +485,26 @@ void gemv_rows_avx512(const float* x, const T* w, float* y, int64_t k, int64_t n
 bool has_avx512() { return false; }
 #endif
 
+// How gemv splits w [n, k]'s rows: `tasks` contiguous shares of `share` rows (a multiple of 4, so
+// every row but the last n % 4 runs in a 4-row block, whatever the split), one per thread.
+struct GemvSplit {
+  int64_t tasks, share;
+};
+inline GemvSplit gemv_split(int64_t n, int64_t k, int64_t threads) {
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, (n * k) / kGrain));
+  return {nt, ((n + nt - 1) / nt + 3) / 4 * 4};
+}
+inline std::pair<int64_t, int64_t> gemv_rows_of(int64_t n, const GemvSplit& sp, int64_t t) {
+  return {std::min(n, t * sp.share), std::min(n, (t + 1) * sp.share)};
+}
+
+// Task t of a GemvSplit: y[n0:n1] of x . w^T.
+template <typename T>
+void gemv_task(const float* x, const T* w, float* y, int64_t k, int64_t n, const GemvSplit& sp, int64_t t) {
+  const auto [n0, n1] = gemv_rows_of(n, sp, t);
+  has_avx512() ? gemv_rows_avx512<T>(x, w, y, k, n0, n1) : gemv_rows<T>(x, w, y, k, n0, n1);
+}
+
 template <typename T>
 void gemv_impl(const T* xp, const T* wp, const T* bp, T* yp, int64_t n, int64_t k) {
   std::vector<float> xf, yf;
@@ -468,13 +517,9 @@ void gemv_impl(const T* xp, const T* wp, const T* bp, T* yp, int64_t n, int64_t 
     for (int64_t c = 0; c < k; ++c) xf[c] = to_f(xp[c]);
     x = xf.data(), y = yf.data();
   }
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n * k) / kGrain));
-  const int64_t share = ((n + nt - 1) / nt + 3) / 4 * 4;  // rows per thread, a multiple of 4
-  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t n0 = std::min(n, t * share), n1 = std::min(n, (t + 1) * share);
-      has_avx512() ? gemv_rows_avx512<T>(x, wp, y, k, n0, n1) : gemv_rows<T>(x, wp, y, k, n0, n1);
-    }
+  const GemvSplit sp = gemv_split(n, k, at::get_num_threads());
+  at::parallel_for(0, sp.tasks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) gemv_task<T>(x, wp, y, k, n, sp, t);
   });
   for (int64_t i = 0; i < n; ++i) yp[i] = from_f<T>(y[i] + (bp ? to_f(bp[i]) : 0.f));
 }
@@ -505,18 +550,18 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 // gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]; bfloat16: silu rounds to bf16
 // before the product (torch's F.silu(gate) * up).
 template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = to_f(g[i]);
+    o[i] = from_f<T>(round_to<T>(gi / (1.f + exp_f32(-gi))) * to_f(u[i]));
+  }
+}
+
+template <typename T>
 void silu_mul_impl(const T* gp, T* op, int64_t t, int64_t n) {
   at::parallel_for(0, t, std::max<int64_t>(1, kGrain / (2 * n)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = gp + r * 2 * n;
-      const T* u = g + n;
-      T* o = op + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float gi = to_f(g[i]);
-        o[i] = from_f<T>(round_to<T>(gi / (1.f + exp_f32(-gi))) * to_f(u[i]));
-      }
-    }
+    for (int64_t r = b; r < e; ++r) silu_mul_row<T>(gp + r * 2 * n, gp + r * 2 * n + n, op + r * n, n);
   });
 }
 
@@ -530,6 +575,224 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+
+// ---- decode_layers: every decoder layer of a batch-1 decode step in one parallel region ----
+
+// One decoder layer's weights (dense, row-major, the activations' dtype); qkv_bias may be null.
+template <typename T>
+struct LayerPtrs {
+  const T *attn_norm, *qkv, *qkv_bias, *o_proj, *mlp_norm, *gate_up, *down;
+};
+
+// The step's one token: model sizes, its position's RoPE rows, its KV slot, its block table row.
+template <typename T>
+struct TokenStep {
+  int64_t h, nh, kvh, hd, inter;  // hidden, q heads, KV heads, head dim, intermediate
+  float eps, scale;
+  const T *cos, *sin;              // [hd] rows at the token's position
+  T* cache;                        // kv_cache [N, L, 2, bs, kvh, hd]
+  int64_t bs, nlayers, nb, slot_block, slot_offset;
+  const int64_t *table, *key_range;  // [nb], [2]
+};
+
+// The activations of one layer (T) and the float32 copies the GEMV reads (bfloat16 only; for
+// float32 `in` is unused and the GEMVs read the T buffers).
+template <typename T>
+struct Activations {
+  T *x, *h, *qkv, *attn, *attn_out, *gate_up, *act, *delta;
+  float *in, *y;  // GEMV input [max(H, nh hd, I)], GEMV output [max(N)]
+};
+
+// x as the GEMV's float32 input: itself (float32) or its widened copy in `in`, filled by the
+// caller over [i0, i1) (bfloat16).
+template <typename T>
+const float* gemv_input(const T* x, float* in) {
+  if constexpr (std::is_same<T, float>::value) return x;
+  return in;
+}
+template <typename T>
+void widen(const T* x, float* in, int64_t i0, int64_t i1) {
+  if constexpr (!std::is_same<T, float>::value)
+    for (int64_t i = i0; i < i1; ++i) in[i] = to_f(x[i]);
+}
+
+// This thread's tasks of gemv's split of w [n, k] (gemv_split over `threads`: the same rows per
+// task, so the same bits, as gemv), then their rows of out = y (+ bias) rounded to T.
+template <typename T>
+void gemv_tasks(const float* x, const T* w, const T* bias, float* yf, T* out, int64_t n, int64_t k,
+                int64_t threads, int tid, int team) {
+  const GemvSplit sp = gemv_split(n, k, threads);
+  float* y = std::is_same<T, float>::value ? reinterpret_cast<float*>(out) : yf;
+  for (int64_t t = tid; t < sp.tasks; t += team) {
+    gemv_task<T>(x, w, y, k, n, sp, t);
+    const auto [n0, n1] = gemv_rows_of(n, sp, t);
+    for (int64_t i = n0; i < n1; ++i) out[i] = from_f<T>(y[i] + (bias ? to_f(bias[i]) : 0.f));
+  }
+}
+
+// KV head g of the token: RoPE on its q heads and k head (qkv [nh + 2 kvh, hd], in place), its
+// K/V written into layer `layer` of the cache, then its attention unit (decode_unit) into attn.
+template <typename T>
+void attend_group(const TokenStep<T>& st, const Activations<T>& a, int64_t layer, int64_t g,
+                  AttendScratch& sc, float* tmp) {
+  const int64_t hd = st.hd, group = st.nh / st.kvh, row = st.bs * st.kvh * hd;
+  for (int64_t q = g * group; q < (g + 1) * group; ++q) rope_head<T>(a.qkv + q * hd, st.cos, st.sin, hd, tmp);
+  T* k = a.qkv + (st.nh + g) * hd;
+  rope_head<T>(k, st.cos, st.sin, hd, tmp);
+  T* kdst = st.cache + ((st.slot_block * st.nlayers + layer) * 2) * row + (st.slot_offset * st.kvh + g) * hd;
+  std::copy(k, k + hd, kdst);
+  std::copy(k + st.kvh * hd, k + (st.kvh + 1) * hd, kdst + row);  // v head g
+  const DecodeShape sh{1, st.nh, hd, st.kvh, st.bs, st.nb, st.nlayers, layer, (st.nh + 2 * st.kvh) * hd, hd};
+  decode_unit<T>(a.qkv, st.cache, a.attn, st.table, st.key_range, sh, st.scale, g, sc);
+}
+
+// One decoder layer on thread tid of the team (every thread calls it; barriers between the
+// phases that read another thread's results). The same inner loops as the per-op kernels.
+template <typename T>
+void fused_layer(const TokenStep<T>& st, const LayerPtrs<T>& w, const Activations<T>& a, int64_t layer,
+                 int64_t threads, int tid, int team, AttendScratch& sc, float* tmp) {
+  const int64_t h = st.h, nq = (st.nh + 2 * st.kvh) * st.hd, na = st.nh * st.hd, ni = st.inter;
+  if (tid == 0) {  // 576 floats: cheaper on one thread than split
+    add_rms_norm_row<T>(a.x, layer == 0 ? nullptr : a.delta, w.attn_norm, a.h, h, st.eps);
+    widen<T>(a.h, a.in, 0, h);
+  }
+#pragma omp barrier
+  gemv_tasks<T>(gemv_input<T>(a.h, a.in), w.qkv, w.qkv_bias, a.y, a.qkv, nq, h, threads, tid, team);
+#pragma omp barrier
+  for (int64_t g = tid; g < st.kvh; g += team) {
+    attend_group<T>(st, a, layer, g, sc, tmp);
+    const int64_t group_dims = st.nh / st.kvh * st.hd;
+    widen<T>(a.attn, a.in, g * group_dims, (g + 1) * group_dims);
+  }
+#pragma omp barrier
+  gemv_tasks<T>(gemv_input<T>(a.attn, a.in), w.o_proj, nullptr, a.y, a.attn_out, h, na, threads, tid, team);
+#pragma omp barrier
+  if (tid == 0) {
+    add_rms_norm_row<T>(a.x, a.attn_out, w.mlp_norm, a.h, h, st.eps);
+    widen<T>(a.h, a.in, 0, h);
+  }
+#pragma omp barrier
+  gemv_tasks<T>(gemv_input<T>(a.h, a.in), w.gate_up, nullptr, a.y, a.gate_up, 2 * ni, h, threads, tid, team);
+#pragma omp barrier
+  {  // SwiGLU in chunks of 16 (elementwise: the same bits as one pass)
+    const int64_t chunk = ((ni + team - 1) / team + 15) / 16 * 16;
+    const int64_t i0 = std::min(ni, tid * chunk), i1 = std::min(ni, (tid + 1) * chunk);
+    silu_mul_row<T>(a.gate_up + i0, a.gate_up + ni + i0, a.act + i0, i1 - i0);
+    widen<T>(a.act, a.in, i0, i1);
+  }
+#pragma omp barrier
+  gemv_tasks<T>(gemv_input<T>(a.act, a.in), w.down, nullptr, a.y, a.delta, h, ni, threads, tid, team);
+#pragma omp barrier
+}
+
+template <typename T>
+void decode_layers_impl(const TokenStep<T>& st, const std::vector<LayerPtrs<T>>& layers, const Activations<T>& a) {
+  const int64_t threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    AttendScratch sc;
+    std::vector<float> tmp(st.hd);
+    for (int64_t l = 0; l < static_cast<int64_t>(layers.size()); ++l)
+      fused_layer<T>(st, layers[l], a, l, threads, tid, team, sc, tmp.data());
+  }
+}
+
+// Checks w is a contiguous [rows, cols] tensor of x's dtype.
+void check_weight(const at::Tensor& w, const at::Tensor& x, int64_t rows, int64_t cols, const char* name) {
+  check_num(w, name, &x);
+  TORCH_CHECK(w.is_contiguous() && w.dim() == (cols ? 2 : 1) && w.size(0) == rows && (!cols || w.size(1) == cols),
+              name, " must be a contiguous ", cols ? "[N, K]" : "[N]", " tensor of the model's shape");
+}
+
+// The dense weights of layer l from decode_layers' flat list, checked.
+template <typename T>
+LayerPtrs<T> layer_ptrs(at::TensorList weights, at::TensorList biases, int64_t l, const at::Tensor& x,
+                        int64_t nq, int64_t na, int64_t& inter) {
+  const at::Tensor* w = weights.data() + 6 * l;
+  const int64_t h = x.size(1);
+  if (l == 0) {
+    TORCH_CHECK(w[4].dim() == 2 && w[4].size(0) % 2 == 0, "gate_up must be [2I, H]");
+    inter = w[4].size(0) / 2;
+  }
+  check_weight(w[0], x, h, 0, "attn_norm");
+  check_weight(w[1], x, nq, h, "qkv");
+  check_weight(w[2], x, h, na, "o_proj");
+  check_weight(w[3], x, h, 0, "mlp_norm");
+  check_weight(w[4], x, 2 * inter, h, "gate_up");
+  check_weight(w[5], x, h, inter, "down");
+  const T* bias = nullptr;
+  if (!biases.empty()) {
+    check_weight(biases[l], x, nq, 0, "qkv_bias");
+    bias = ptr<T>(biases[l]);
+  }
+  return {ptr<T>(w[0]), ptr<T>(w[1]), bias, ptr<T>(w[2]), ptr<T>(w[3]), ptr<T>(w[4]), ptr<T>(w[5])};
+}
+
+template <typename T>
+at::Tensor run_decode_layers(at::Tensor& x, at::TensorList weights, at::TensorList biases, TokenStep<T> st) {
+  const int64_t nlayers = static_cast<int64_t>(weights.size()) / 6, nq = (st.nh + 2 * st.kvh) * st.hd;
+  const int64_t na = st.nh * st.hd;
+  std::vector<LayerPtrs<T>> layers;
+  for (int64_t l = 0; l < nlayers; ++l) layers.push_back(layer_ptrs<T>(weights, biases, l, x, nq, na, st.inter));
+  const int64_t h = st.h, ni = st.inter;
+  std::vector<T> buf(h + nq + na + h + 2 * ni + ni);
+  std::vector<float> in(std::max({h, na, ni})), y(std::max({nq, 2 * ni, h}));
+  at::Tensor delta = at::empty({1, h}, x.options());
+  T* p = buf.data();
+  Activations<T> a{ptr<T>(x), p, p + h, p + h + nq, p + h + nq + na, p + 2 * h + nq + na,
+                   p + 2 * h + nq + na + 2 * ni, ptr<T>(delta), in.data(), y.data()};
+  decode_layers_impl<T>(st, layers, a);
+  return delta;
+}
+
+// x [1, H] (the embedding of the step's one decode token, updated in place into the residual
+// stream before the last MLP); weights: 6 per layer, in layer order (attn_norm [H], qkv
+// [(nh + 2 kvh) hd, H], o_proj [H, nh hd], mlp_norm [H], gate_up [2I, H], down [H, I]), all
+// dense, contiguous, x's dtype; qkv_biases: [] or one [(nh + 2 kvh) hd] per layer. Layer l reads
+// and writes layer l of kv_cache; the token is at `positions` [1] (cos/sin tables [P, hd]), its
+// K/V go to slot (slot_blocks [1], slot_offsets [1]) and it attends to keys key_ranges [1, 2] of
+// tables [1, nb]. Returns the last layer's MLP output [1, H] (the caller adds it to x).
+// Every step is the per-op kernels' inner loop (add_rms_norm, gemv, rope_store_kv,
+// decode_attention, silu_mul) with the same split of each GEMV's rows, so the result is bit for
+// bit theirs; one OpenMP region for all layers, barriers between dependent phases.
+at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::TensorList qkv_biases, at::Tensor kv_cache,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                         const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& tables,
+                         const at::Tensor& key_ranges, double eps, double scale, int64_t num_heads) {
+  check_num(x, "x");
+  check_num(kv_cache, "kv_cache", &x);
+  check_num(cos, "cos", &x);
+  check_num(sin, "sin", &x);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be a contiguous [1, H] tensor");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 6-D cache");
+  const int64_t nlayers = static_cast<int64_t>(weights.size()) / 6;
+  TORCH_CHECK(weights.size() % 6 == 0 && nlayers >= 1 && nlayers <= kv_cache.size(1),
+              "weights: 6 per layer, at most the cache's layers");
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == nlayers, "one qkv bias per layer");
+  const int64_t nblocks = kv_cache.size(0), bs = kv_cache.size(3), kvh = kv_cache.size(4), hd = kv_cache.size(5);
+  TORCH_CHECK(num_heads > 0 && num_heads % kvh == 0 && hd % 2 == 0, "bad head counts");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd &&
+              sin.sizes() == cos.sizes(), "cos/sin must be contiguous [P, hd]");
+  auto pos = positions.to(at::kLong).contiguous(), blk = slot_blocks.to(at::kLong).contiguous();
+  auto off = slot_offsets.to(at::kLong).contiguous();
+  auto tab = tables.to(at::kLong).contiguous(), rng = key_ranges.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == 1 && blk.numel() == 1 && off.numel() == 1, "one position and slot");
+  TORCH_CHECK(tab.dim() == 2 && tab.size(0) == 1 && rng.numel() == 2, "tables [1, nb] and key_ranges [1, 2]");
+  const int64_t p = pos.item<int64_t>(), b = blk.item<int64_t>(), o = off.item<int64_t>(), nb = tab.size(1);
+  TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " outside the RoPE table");
+  TORCH_CHECK(b >= 0 && b < nblocks && o >= 0 && o < bs, "slot outside the cache");
+  check_key_ranges(tab.data_ptr<int64_t>(), rng.data_ptr<int64_t>(), 1, nb, bs, nblocks);
+  at::Tensor out;
+  PD_DISPATCH(x, {
+    const TokenStep<T> st{x.size(1), num_heads, kvh, hd, 0, static_cast<float>(eps), static_cast<float>(scale),
+                          ptr<T>(cos) + p * hd, ptr<T>(sin) + p * hd, ptr<T>(kv_cache), bs, kv_cache.size(1), nb, b,
+                          o, tab.data_ptr<int64_t>(), rng.data_ptr<int64_t>()};
+    out = run_decode_layers<T>(x, weights, qkv_biases, st);
+  })
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -540,6 +803,9 @@ TORCH_LIBRARY(pdserve_cpu, m) {
         "float scale) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("decode_layers(Tensor(a!) x, Tensor[] weights, Tensor[] qkv_biases, Tensor(b!) kv_cache, Tensor cos, "
+        "Tensor sin, Tensor positions, Tensor slot_blocks, Tensor slot_offsets, Tensor tables, Tensor key_ranges, "
+        "float eps, float scale, int num_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -548,4 +814,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("silu_mul", silu_mul);
   m.impl("gemv", gemv);
+  m.impl("decode_layers", decode_layers);
 }
