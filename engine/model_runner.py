@@ -91,6 +91,14 @@ def _ordered(items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
     return [it for it in items if it[1] == 1] + [it for it in items if it[1] != 1]
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether seq's row is one greedy argmax of its raw logits: temperature 0, no logits processor,
+    grammar or logprobs, and not about to fork (a fork samples its row n times)."""
+    sp = seq.sampling
+    return (sp.greedy and not sp.processed and sp.logprobs is None and seq.grammar is None
+            and not (seq.n > 1 and seq.num_output_tokens == 0))
+
+
 class ModelRunner:
     """Executes one step for the scheduled (sequence, num_new_tokens) items."""
 
@@ -109,6 +117,7 @@ class ModelRunner:
         # path's decode_rows and decode_mask would be built for nothing.
         self.kernels = isinstance(getattr(model, "ops", None), KernelOps)
         self.fast_decode_inputs = True  # pure-decode steps: engine.decode_inputs (same tensors, one list)
+        self.fast_greedy = True  # steps whose rows are all plain greedy: one argmax, one host read
 
     def execute(self, items: list[tuple[Sequence, int]]) -> dict[str, int]:
         """Compute KV for the new tokens; return request_id -> sampled token for every sequence
@@ -191,6 +200,9 @@ class ModelRunner:
         its one row is sampled with choice indices 0..n-1, engine.choices)."""
         if not seqs:
             return {}
+        if self.fast_greedy and all(_plain_greedy(s) for s in seqs):  # what the general path computes
+            ids = torch.argmax(logits, dim=-1).tolist()
+            return {(s.request_id, s.index): [(t, None)] for s, t in zip(seqs, ids)}
         owners, choices = [], []
         for s in seqs:
             m = s.n if s.n > 1 and s.num_output_tokens == 0 else 1
