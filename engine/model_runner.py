@@ -112,7 +112,6 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.inputs_s = 0.0  # cumulative seconds forward() spent in inputs()
-        self.windows = tuple(dict.fromkeys(model.windows))  # distinct attention windows, in layer order
         # The CPU kernels read each decode row's block table and key range themselves: the gather
         # path's decode_rows and decode_mask would be built for nothing.
         self.kernels = isinstance(getattr(model, "ops", None), KernelOps)
@@ -153,16 +152,17 @@ class ModelRunner:
         attention metadata of every window (host work: the step's Python-side cost). A pure-decode
         plan takes engine.decode_inputs (the same tensors from one host list)."""
         num_layers = None if self.kernels else self.kv_cache.shape[1]
+        windows = tuple(dict.fromkeys(self.model.windows))  # distinct attention windows, in layer order
         if self.fast_decode_inputs and plan.items and is_pure_decode(plan.items):
             ids, pos, rows, metas, max_pos = decode_inputs(
                 plan.items, plan.input_ids, plan.sample_rows + plan.prompt_rows, self.block_size,
-                self.windows, num_layers, with_mask=not self.kernels)
+                windows, num_layers, with_mask=not self.kernels)
         else:
             pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
                              for it in plan.items])
             rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
             metas = {w: build_metadata(plan.items, pos, self.block_size, w, num_layers)
-                     for w in self.windows}   # full attention and/or each window
+                     for w in windows}   # full attention and/or each window
             max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
             ids = torch.tensor(plan.input_ids, dtype=torch.long)
         if self.device.type != "cpu":
