@@ -100,16 +100,19 @@ class LatticeClient(WorkerClient):
             self._recheck = None
         if self._stop.is_set():
             return
+        failed = False
         try:
             while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._dispatch_message(self.pull.recv(zmq.NOBLOCK))
         except zmq.Again:
             pass
         except zmq.ZMQError as err:
+            failed = True
             log.error("result lane failed: %s", err)
             self._detach()
-            return
-        self._recheck = self._loop.call_later(RECV_POLL_MS / 1000, self._drain_lane)
+        finally:  # a dispatch that raised still leaves the rest of the lane to the re-check
+            if not failed and not self._stop.is_set():
+                self._recheck = self._loop.call_later(RECV_POLL_MS / 1000, self._drain_lane)
 
     def _detach(self) -> None:
         """Stop the loop reader (loop thread)."""
