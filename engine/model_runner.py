@@ -9,6 +9,8 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention_meta import build_metadata
+from engine.cpu_ops import KernelOps
+from engine.decode_inputs import decode_inputs, is_pure_decode
 from engine.grammar_mask import grammar_rows
 from engine.logprob_math import token_logprobs
 from engine.logprobs import TokenLogprob
@@ -89,6 +91,14 @@ def _ordered(items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
     return [it for it in items if it[1] == 1] + [it for it in items if it[1] != 1]
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether seq's row is one greedy argmax of its raw logits: temperature 0, no logits processor,
+    grammar or logprobs, and not about to fork (a fork samples its row n times)."""
+    sp = seq.sampling
+    return (sp.greedy and not sp.processed and sp.logprobs is None and seq.grammar is None
+            and not (seq.n > 1 and seq.num_output_tokens == 0))
+
+
 class ModelRunner:
     """Executes one step for the scheduled (sequence, num_new_tokens) items."""
 
@@ -102,6 +112,11 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.inputs_s = 0.0  # cumulative seconds forward() spent in inputs()
+        # The CPU kernels read each decode row's block table and key range themselves: the gather
+        # path's decode_rows and decode_mask would be built for nothing.
+        self.kernels = isinstance(getattr(model, "ops", None), KernelOps)
+        self.fast_decode_inputs = True  # pure-decode steps: engine.decode_inputs (same tensors, one list)
+        self.fast_greedy = True  # steps whose rows are all plain greedy: one argmax, one host read
 
     def execute(self, items: list[tuple[Sequence, int]]) -> dict[str, int]:
         """Compute KV for the new tokens; return request_id -> sampled token for every sequence
@@ -134,14 +149,22 @@ class ModelRunner:
 
     def inputs(self, plan: ExecPlan) -> ModelInputs:
         """The tensors of ``plan`` on this runner's device: token ids, positions, logit rows and the
-        attention metadata of every window (host work: the step's Python-side cost)."""
-        pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
-                         for it in plan.items])
-        rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
-        metas = {w: build_metadata(plan.items, pos, self.block_size, w, self.kv_cache.shape[1])
-                 for w in set(self.model.windows)}   # full attention and/or each window
-        max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
-        ids = torch.tensor(plan.input_ids, dtype=torch.long)
+        attention metadata of every window (host work: the step's Python-side cost). A pure-decode
+        plan takes engine.decode_inputs (the same tensors from one host list)."""
+        num_layers = None if self.kernels else self.kv_cache.shape[1]
+        windows = tuple(dict.fromkeys(self.model.windows))  # distinct attention windows, in layer order
+        if self.fast_decode_inputs and plan.items and is_pure_decode(plan.items):
+            ids, pos, rows, metas, max_pos = decode_inputs(
+                plan.items, plan.input_ids, plan.sample_rows + plan.prompt_rows, self.block_size,
+                windows, num_layers, with_mask=not self.kernels)
+        else:
+            pos = torch.cat([torch.arange(it.num_computed, it.num_computed + it.num_new)
+                             for it in plan.items])
+            rows = torch.tensor(plan.sample_rows + plan.prompt_rows, dtype=torch.long)
+            metas = {w: build_metadata(plan.items, pos, self.block_size, w, num_layers)
+                     for w in windows}   # full attention and/or each window
+            max_pos = max(it.num_computed + it.num_new for it in plan.items) - 1
+            ids = torch.tensor(plan.input_ids, dtype=torch.long)
         if self.device.type != "cpu":
             ids, pos, rows = _to(ids, self.device), _to(pos, self.device), _to(rows, self.device)
             metas = {w: _meta_to(m, self.device) for w, m in metas.items()}
@@ -177,6 +200,9 @@ class ModelRunner:
         its one row is sampled with choice indices 0..n-1, engine.choices)."""
         if not seqs:
             return {}
+        if self.fast_greedy and all(_plain_greedy(s) for s in seqs):  # what the general path computes
+            ids = torch.argmax(logits, dim=-1).tolist()
+            return {(s.request_id, s.index): [(t, None)] for s, t in zip(seqs, ids)}
         owners, choices = [], []
         for s in seqs:
             m = s.n if s.n > 1 and s.num_output_tokens == 0 else 1

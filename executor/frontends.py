@@ -64,6 +64,7 @@ def lattice_state(cfg: ServerConfig, info: AttachInfo,
     layouts = [KVLayoutModel.model_validate(x) for x in wi.get("kv_layouts") or [wi["kv_layout"]]]
     state = make_state(cfg, client, layouts[0], int(wi["vocab_size"]), layouts)
     state.frontend_id = info.frontend_id
+    state.on_startup.append(client.attach_loop)  # the server's loop reads the lane from now on
     state.on_shutdown.append(client.shutdown)
     return state, client
 

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 class RequestStream:
     """Where one request's outputs go: an asyncio queue living on ``loop``.
 
-    ``put`` is thread-safe (``call_soon_threadsafe``); ``finished`` is set by the consumer once the
-    final output or an error was taken, so that closing the stream early can abort the request.
+    ``put`` is thread-safe (``call_soon_threadsafe`` from another thread; in ``loop``'s own thread
+    the item is queued at once, no wake-up); ``finished`` is set by the consumer once the final
+    output or an error was taken, so that closing the stream early can abort the request.
     """
 
     loop: asyncio.AbstractEventLoop
@@ -28,6 +29,9 @@ class RequestStream:
     finished: bool = False
 
     def put(self, item: object) -> None:
+        if asyncio._get_running_loop() is self.loop:  # the lane reader runs in this loop (executor.lattice_client)
+            self.queue.put_nowait(item)
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more

@@ -64,6 +64,12 @@ def test_streams_come_back_to_the_frontend_that_took_them(four_frontends):
     results = asyncio.run(all_of_them())
     assert all(text == reference for _, text in results)
     assert len({fid for fid, _ in results}) >= 2
+    # every frontend's event loop reads its lane itself (executor.lattice_client.attach_loop)
+    readers = {}
+    for _ in range(40):
+        r = httpx.get(url + "/server_info", timeout=10)
+        readers[r.headers["x-pdserve-frontend"]] = r.json()["lane_reader"]
+    assert set(readers.values()) == {"loop"} and len(readers) >= 2, readers
 
 
 def test_attached_frontend_serves_health_and_metrics(four_frontends):
