@@ -15,6 +15,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or None (public API: get_running_loop raises there)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class RequestStream:
     """Where one request's outputs go: an asyncio queue living on ``loop``.
@@ -29,7 +37,7 @@ class RequestStream:
     finished: bool = False
 
     def put(self, item: object) -> None:
-        if asyncio._get_running_loop() is self.loop:  # the lane reader runs in this loop (executor.lattice_client)
+        if _running_loop() is self.loop:  # the lane reader runs in this loop (executor.lattice_client)
             self.queue.put_nowait(item)
             return
         try:
