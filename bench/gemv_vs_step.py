@@ -37,7 +37,7 @@ def dense_weights(engine: LLMEngine) -> list[torch.Tensor]:
     """The row-major weights of every one-row product of a decode step, in the forward's order."""
     model = engine.runner.model
     linears = [m for w in model.layers for m in (w.qkv, w.o_proj, w.gate_up, w.down)] + [model.lm_head]
-    return [m.dense if isinstance(m, DualWeight) else m for m in linears]
+    return [m.panels if isinstance(m, DualWeight) else m for m in linears]
 
 
 def products_ms(dense: list[torch.Tensor], inputs: list[torch.Tensor], passes: int) -> float:

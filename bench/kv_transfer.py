@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine.kv_memory import allocate_kv_cache, transparent_huge_pages_mode  # noqa: E402
+from engine.huge_pages import transparent_huge_pages_mode  # noqa: E402
+from engine.kv_memory import allocate_kv_cache  # noqa: E402
 from kv_transfer.factory import make_kv_client, make_kv_server  # noqa: E402
 from kv_transfer.layout import KVLayout, bytes_per_block  # noqa: E402
 from kv_transfer.lease import LeaseTable  # noqa: E402

@@ -32,21 +32,25 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.gemv_layout import gemv_panel_arena
+
 _PACKABLE = (torch.float32, torch.bfloat16)
 DEFAULT_BATCH_HINT = {torch.float32: 8, torch.bfloat16: 8}  # see pack_weight
 
 
 @functools.cache
-def packing_available() -> bool:
-    """True when this torch build has oneDNN and its linear ops (probed once on a 2x2 weight)."""
-    if not torch.backends.mkldnn.is_available():
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build has oneDNN and its linear ops for ``dtype`` on this CPU (probed
+    once per dtype on a 2x2 weight). oneDNN's bf16 reorder needs AVX-512 (bw, vl, dq) or
+    AVX-NE-CONVERT: on an AVX2-only CPU bf16 weights stay plain (F.linear)."""
+    if not torch.backends.mkldnn.is_available() or dtype not in _PACKABLE:
         return False
     try:
-        w = torch.ones(2, 2)
-        out = packed_linear(torch.ones(1, 2), torch.ops.mkldnn._reorder_linear_weight(w, 1), None)
+        w = torch.ones(2, 2, dtype=dtype)
+        out = packed_linear(torch.ones(1, 2, dtype=dtype), torch.ops.mkldnn._reorder_linear_weight(w, 1), None)
     except (RuntimeError, AttributeError):
         return False
-    return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+    return bool(torch.equal(out, torch.full((1, 2), 2.0, dtype=dtype)))
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Tensor:
@@ -65,10 +69,10 @@ def pack_weight(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Te
     ONEDNN_MAX_CPU_ISA=AVX2); an older build parted from HF on one oracle prompt with hint 8,
     which tests/engine/test_model_vs_hf.py would catch.
     Returns the weight unchanged when it cannot be packed (not on the CPU, another dtype, or no
-    oneDNN in this torch build: see packing_available).
+    oneDNN linear for its dtype on this CPU: see packing_available).
     """
     if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE or weight.dim() != 2
-            or not packing_available()):
+            or not packing_available(weight.dtype)):
         return weight
     hint = DEFAULT_BATCH_HINT[weight.dtype] if batch_hint is None else batch_hint
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
@@ -81,32 +85,35 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @dataclass(frozen=True)
 class DualWeight:
-    """A CPU linear weight [N, K] in two layouts: oneDNN-packed (pack_weight) for products of 2+
-    rows, and dense row-major for one-row products on pdserve's GEMV kernel
-    (``torch.ops.pdserve_cpu.gemv``, engine.cpu_ops), which streams it at close to the memory
+    """A CPU linear weight [N, K] in two layouts: oneDNN-packed (pack_weight; the plain weight where
+    oneDNN cannot pack its dtype on this CPU, e.g. bf16 without AVX-512) for products of 2+ rows,
+    and the GEMV kernel's 4-row panels (engine.gemv_layout) for one-row products on
+    ``torch.ops.pdserve_cpu.gemv`` (engine.cpu_ops), which streams them at close to the memory
     bandwidth where oneDNN's one-row kernel reached ~85% of it (docs/benchmarks.md, issue 11).
-    Costs one more copy of the weight (none for a tied lm_head: its dense form is the embedding)."""
+    Costs one more copy of the weight (a tied lm_head too: the embedding stays row-major)."""
 
     packed: torch.Tensor
-    dense: torch.Tensor
+    panels: torch.Tensor
 
     @property
     def shape(self) -> torch.Size:
-        return self.dense.shape
+        return self.panels.shape
 
 
-def pack_decoder_linears(model, keep_dense: bool = False) -> None:
+def pack_decoder_linears(model, keep_panels: bool = False) -> None:
     """Pack a decoder's linear weights in place: every layer's ``qkv``, ``o_proj``, ``gate_up``,
-    ``down`` and the model's ``lm_head`` (the shape engine.model_weights builds; the dense
-    embedding stays where a tied head shared it). keep_dense: each becomes a DualWeight (the
-    GEMV kernel must be loaded: engine.cpu_ops.load_library)."""
-    def pack(w: torch.Tensor):
-        packed = pack_weight(w)
-        if not keep_dense or not packed.is_mkldnn:
-            return packed
-        return DualWeight(packed, w.contiguous())
-
-    for w in model.layers:
-        w.qkv, w.o_proj = pack(w.qkv), pack(w.o_proj)
-        w.gate_up, w.down = pack(w.gate_up), pack(w.down)
-    model.lm_head = pack(model.lm_head)
+    ``down`` and the model's ``lm_head`` (the shape engine.model_weights builds; the row-major
+    embedding stays where a tied head shared it). keep_panels: each becomes a DualWeight whose
+    panels share one arena on huge pages (engine.gemv_layout.gemv_panel_arena; the GEMV kernel
+    must be loaded: engine.cpu_ops.load_library)."""
+    names = [(w, name) for w in model.layers for name in ("qkv", "o_proj", "gate_up", "down")]
+    names.append((model, "lm_head"))
+    weights = [getattr(owner, name) for owner, name in names]
+    packed = [pack_weight(w) for w in weights]
+    if not keep_panels:
+        for (owner, name), p in zip(names, packed):
+            setattr(owner, name, p)
+        return
+    panels = gemv_panel_arena([w.contiguous() for w in weights])
+    for (owner, name), p, g in zip(names, packed, panels):
+        setattr(owner, name, DualWeight(p, g))

@@ -93,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | DualWeight,
     """
     if isinstance(weight, DualWeight):
         if x.shape[0] == 1:
-            return torch.ops.pdserve_cpu.gemv(x, weight.dense, bias)
+            return torch.ops.pdserve_cpu.gemv(x, weight.panels, bias)
         weight = weight.packed
     if weight.is_mkldnn:  # reordered once at load (engine.cpu_linear)
         return packed_linear(x, weight, bias)

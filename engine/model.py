@@ -47,8 +47,8 @@ class LlamaModel:
         self.norm = reader["model.norm.weight"].to(dtype)
         self.lm_head = lm_head_weight(reader, self.embed, config, dtype)
         reader.check_all_used()
-        if pack_cpu_linears:  # each linear weight -> its oneDNN-packed form (+ dense for the GEMV kernel)
-            pack_decoder_linears(self, keep_dense=isinstance(ops, KernelOps))
+        if pack_cpu_linears:  # each linear weight -> its oneDNN-packed form (+ its GEMV panels)
+            pack_decoder_linears(self, keep_panels=isinstance(ops, KernelOps))
         self.rope = RotaryTable(config.head_dim, config.rope_theta, dtype,
                                 scaling=config.rope_scaling)
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
@@ -124,7 +124,7 @@ class LlamaModel:
             if (w.q_norm is not None or w.o_bias is not None
                     or not all(isinstance(m, DualWeight) for m in linears)):
                 return None
-            weights += [w.attn_norm, w.qkv.dense, w.o_proj.dense, w.mlp_norm, w.gate_up.dense, w.down.dense]
+            weights += [w.attn_norm, w.qkv.panels, w.o_proj.panels, w.mlp_norm, w.gate_up.panels, w.down.panels]
             if w.qkv_bias is not None:
                 biases.append(w.qkv_bias)
         if biases and len(biases) != len(self.layers):

@@ -15,6 +15,7 @@ from engine.attention import AttentionMetadata, _decode, kv_rows, write_kv
 from engine.attention_meta import build_metadata
 from engine.cpu_linear import DualWeight, pack_weight, packed_linear
 from engine.cpu_ops import TORCH_OPS, KernelOps, load_library, missing_cpu_features, select_ops
+from engine.gemv_layout import to_gemv_panels
 from engine.layers import RotaryTable, apply_rope, linear
 
 pytestmark = pytest.mark.skipif(load_library() is not None,
@@ -138,7 +139,7 @@ def test_gemv_matches_a_float64_product(n, k, with_bias):
     x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
     ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
-    got = torch.ops.pdserve_cpu.gemv(x, w, bias)
+    got = torch.ops.pdserve_cpu.gemv(x, to_gemv_panels(w), bias)
     assert got.shape == (1, n)
     err = (got.double() - ref).abs().max().item()
     assert err < 1e-5 * max(1.0, k ** 0.5)
@@ -149,11 +150,11 @@ def test_gemv_matches_a_float64_product(n, k, with_bias):
 def test_dual_weight_routes_one_row_to_gemv_and_more_to_onednn():
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(64, 32, generator=g), torch.randn(3, 32, generator=g)
-    dual = DualWeight(pack_weight(w), w)
-    assert torch.equal(linear(x[:1], dual), torch.ops.pdserve_cpu.gemv(x[:1], w, None))
+    dual = DualWeight(pack_weight(w), to_gemv_panels(w))
+    assert torch.equal(linear(x[:1], dual), torch.ops.pdserve_cpu.gemv(x[:1], dual.panels, None))
     assert torch.equal(linear(x, dual), packed_linear(x, dual.packed, None))
     with pytest.raises(RuntimeError, match="gemv takes"):
-        torch.ops.pdserve_cpu.gemv(x, w, None)
+        torch.ops.pdserve_cpu.gemv(x, dual.panels, None)
 
 
 def test_missing_cpu_features_reads_the_flags_line(tmp_path):
@@ -217,6 +218,6 @@ def test_bf16_gemv_close_to_onednn(n, k):
     x, w, bias = (torch.randn(1, k, generator=g).to(BF16), torch.randn(n, k, generator=g).to(BF16),
                   torch.randn(n, generator=g).to(BF16))
     ref = torch.nn.functional.linear(x, w, bias)
-    got = torch.ops.pdserve_cpu.gemv(x, w, bias)
+    got = torch.ops.pdserve_cpu.gemv(x, to_gemv_panels(w), bias)
     assert got.dtype == BF16
     torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2 * k ** 0.5)

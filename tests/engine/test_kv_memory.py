@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_memory import HUGE_PAGE_BYTES, allocate_kv_cache, transparent_huge_pages_mode
+from engine.huge_pages import HUGE_PAGE_BYTES, transparent_huge_pages_mode
+from engine.kv_memory import allocate_kv_cache
 
 SHAPE = (6, 2, 2, 16, 3, 64)  # blocks, layers, K/V, block_size, kv heads, head_dim: 1.1 MiB of float32
 
@@ -77,10 +78,10 @@ def test_kernel_without_thp_falls_back_to_small_pages(monkeypatch, caplog):
     """madvise(MADV_HUGEPAGE) fails with EINVAL on kernels built without THP: warn and go on."""
     import mmap
 
-    from engine import kv_memory
+    from engine import huge_pages
 
     monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)  # an advice every kernel refuses
-    with caplog.at_level("WARNING", logger=kv_memory.__name__):
+    with caplog.at_level("WARNING", logger=huge_pages.__name__):
         cache = allocate_kv_cache(SHAPE, torch.float32)
     assert "4 KiB pages" in caplog.text
     assert cache.abs().sum() == 0 and "hg" not in _smaps_entry(cache.data_ptr())["VmFlags"].split()
