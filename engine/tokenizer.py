@@ -37,6 +37,24 @@ def _from_gguf(path: Path) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+def _backend_decode(hf: Any):
+    """The ``tokenizers`` library's own ``decode`` of ``hf`` where transformers' ``decode`` only
+    forwards to it (a TokenizersBackend that overrides neither ``decode`` nor ``_decode`` and does
+    no ``clean_up_tokenization_spaces`` pass); else None. The detokenizer decodes twice per output
+    token, and transformers' wrapper (input conversion, isinstance checks, kwargs) cost more than
+    the decode itself right after a forward has evicted the caches."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(hf)
+    if (not isinstance(hf, TokenizersBackend) or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not TokenizersBackend._decode or hf.clean_up_tokenization_spaces):
+        return None
+    return hf.backend_tokenizer.decode
+
+
 class Tokenizer:
     """encode/decode/apply_chat_template plus the EOS ids and vocabulary size.
 
@@ -52,6 +70,7 @@ class Tokenizer:
             ids.append(hf_tokenizer.eos_token_id)
         self.eos_token_ids: list[int] = ids
         self.vocab_size: int = len(hf_tokenizer)
+        self._backend_decode = _backend_decode(hf_tokenizer)
 
     @classmethod
     def from_model_path(cls, path: Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
@@ -70,6 +89,9 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (a list of ints), as ``hf.decode`` gives it."""
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -9,6 +9,7 @@
 //   decode_attention one query token per sequence against its paged K/V (GQA, sliding windows)
 //   silu_mul         SwiGLU's silu(gate) * up
 //   gemv             one-row linear product streamed at close to the memory bandwidth
+//   argmax_rows      greedy sampling's argmax over each logits row (torch.argmax's answer)
 //   decode_layers    every decoder layer of a batch-1 decode step in one call: the kernels above
 //                    (their same inner loops and GEMV row splits: bit for bit the per-op result)
 //                    in one OpenMP region with barriers between dependent phases, instead of ~9
@@ -820,6 +821,37 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::TensorList qk
   return out;
 }
 
+// logits [R, V] float32 -> [R] int64: each row's first index of its largest value, a NaN counting
+// as larger than any number (the first NaN wins), as torch.argmax(logits, -1) on the CPU. One
+// thread, three vectorizable passes per row over a row that is still in cache (the lm_head
+// product just wrote it): no TensorIterator set-up and no parallel region for 49k floats.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&
+              logits.size(1) > 0, "argmax_rows takes a float32 CPU tensor [R, V] with V > 0");
+  const at::Tensor l = logits.contiguous();
+  const int64_t rows = l.size(0), v = l.size(1);
+  at::Tensor out = at::empty({rows}, l.options().dtype(at::kLong));
+  const float* p = l.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r, p += v) {
+    int nan = 0;
+    float best = p[0];
+#pragma omp simd reduction(| : nan) reduction(max : best)
+    for (int64_t i = 0; i < v; ++i) {
+      nan |= p[i] != p[i];
+      best = p[i] > best ? p[i] : best;
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (p[at] == p[at]) ++at;
+    } else {
+      while (p[at] != best) ++at;
+    }
+    o[r] = at;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -830,6 +862,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
         "float scale) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("decode_layers(Tensor(a!) x, Tensor[] weights, Tensor[] qkv_biases, Tensor(b!) kv_cache, Tensor cos, "
         "Tensor sin, Tensor positions, Tensor slot_blocks, Tensor slot_offsets, Tensor tables, Tensor key_ranges, "
         "float eps, float scale, int num_heads) -> Tensor");
@@ -841,5 +874,6 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("silu_mul", silu_mul);
   m.impl("gemv", gemv);
+  m.impl("argmax_rows", argmax_rows);
   m.impl("decode_layers", decode_layers);
 }

@@ -221,3 +221,21 @@ def test_bf16_gemv_close_to_onednn(n, k):
     got = torch.ops.pdserve_cpu.gemv(x, to_gemv_panels(w), bias)
     assert got.dtype == BF16
     torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2 * k ** 0.5)
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 17), (1, 1), (8, 1000)])
+def test_argmax_rows_is_torch_argmax(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    assert torch.equal(torch.ops.pdserve_cpu.argmax_rows(x), torch.argmax(x, -1))
+
+
+def test_argmax_rows_ties_nan_and_signed_zero_as_torch():
+    x = torch.zeros(4, 10)
+    x[0, 3] = x[0, 5] = float("nan")      # the first NaN wins over everything
+    x[1, 7], x[1, 2] = float("inf"), -0.0  # inf beats the zeros
+    x[2] = -0.0
+    x[2, 4] = 0.0                           # -0.0 == 0.0: the first index
+    x[3, 6] = x[3, 8] = 2.0                 # a tie: the first index
+    assert torch.equal(torch.ops.pdserve_cpu.argmax_rows(x), torch.argmax(x, -1))
+    with pytest.raises(RuntimeError, match="argmax_rows takes"):
+        torch.ops.pdserve_cpu.argmax_rows(x.bfloat16())

@@ -169,8 +169,9 @@ def test_gen_killed_mid_pull_ctx_lease_frees_within_lease(faults):
     time.sleep(0.5)
     (pid,) = [r["pid"] for r in info(gen)["ranks"]]
     os.kill(pid, signal.SIGKILL)
-    wait_free(ctx, ctx_start, LEASE_MS / 1000 + PULL_DELAY_S + 2)
-    assert time.monotonic() - t_park < LEASE_MS / 1000 + PULL_DELAY_S + 2
+    slack_s = 3  # scheduling on a loaded 2-core machine (6.6 s against 6.5 s was seen at load 9)
+    wait_free(ctx, ctx_start, LEASE_MS / 1000 + PULL_DELAY_S + slack_s)
+    assert time.monotonic() - t_park < LEASE_MS / 1000 + PULL_DELAY_S + slack_s
     t.join(10)
 
 

@@ -40,7 +40,7 @@ def two_frontends(tiny_model_dir, procs, tmp_path_factory) -> tuple[str, str]:
                           engine={"num_frontends": 2, "drain_grace_s": 60})
     url = Cluster(topo, procs).server_url("gen")
     procs.start("gen-k2", "-m", "gen_worker", "--config", str(topo), "--log-dir", str(procs.log_dir),
-                env={**ENV, "PDSERVE_TEST_STEP_DELAY_S": "0.05"})  # a stream of 100 tokens lasts >= 5 s
+                env={**ENV, "PDSERVE_TEST_STEP_DELAY_S": "0.15"})  # a stream of 100 tokens lasts >= 15 s: the drain steps below take seconds on a loaded machine
     procs.wait_healthy("gen-k2", url)
     return "gen-k2", url
 
