@@ -211,6 +211,27 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
+def cpu_jiffies(stat: Path = Path("/proc/stat")) -> list[int]:
+    """The machine-wide ``cpu`` line of /proc/stat (jiffies: user nice system idle iowait irq softirq
+    steal ...); [] where there is none (not Linux)."""
+    try:
+        line = stat.read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return []
+    return [int(x) for x in line.split()[1:]] if line.startswith("cpu ") else []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """The share (0..1) of the CPU time between two :func:`cpu_jiffies` readings that the hypervisor
+    gave to other guests ("steal", proc(5)): time this VM's cores were not running at all, which no
+    load average shows. None without two readings that carry the steal column."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])  # guest time is already counted in user/nice
+    return delta[7] / total if total > 0 else None
+
+
 def conditions(load_before: float) -> str:
     """One line for docs/benchmarks.md: machine and how busy it was."""
     return (f"Machine: {machine_description()}. 1-min load average {load_before:.1f} at the start, "

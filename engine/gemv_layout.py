@@ -7,10 +7,10 @@ with ``N4 = N - N % 4`` and ``K16 = K - K % 16``, rows ``[0, N4)`` become ``N4 /
 chunk, then of rows 1, 2, 3) followed by the ``K - K16`` last columns of row 0, 1, 2, 3; rows
 ``[N4, N)`` follow row-major. The kernel's 4-row block reads one ascending stream of addresses,
 not four rows ``4 K`` bytes apart, and it accumulates in the same order as on row-major rows,
-so the products keep their bits. Measured (a 2-core AVX2 EPYC VM, SmolLM2's 121 float32 products
-of one step, 2 threads, a standalone C++ loop): row-major 28-32 ms, panels 24.7-27 ms, a plain sum
-of the same bytes 22.4-23.8 ms; with the weights on transparent huge pages panels 23.1-27 ms against
-sum 22.5-23.5 ms (docs/benchmarks.md, issue 11).
+so the products keep their bits. Measured on a 2-core AVX2 EPYC VM (SmolLM2's 121 float32 products
+of one step, 2 threads, ``bench/gemv_vs_step.py`` alternating builds of the commit before and after this
+layout with its arena): 32.5-37.2 ms on row-major rows, 25.7-30.0 ms on panels, against a reduction
+over 1 GiB at 20.9-23.3 GB/s (25.7 ms for these bytes at 20.9; docs/benchmarks.md, issue 11).
 
 Such a tensor is only for the GEMV kernel: indexing it as a matrix reads shuffled elements
 (:func:`from_gemv_panels` undoes the order, for tests and checks).

@@ -403,13 +403,14 @@ inline __m256 load8(const bf16_t* p) {  // 8 bfloat16 -> float32 (the bits shift
 }
 #endif
 
-// The GEMV weight layout ("panels", written by engine.cpu_linear.to_gemv_panels): w [N, K] with
+// The GEMV weight layout ("panels", written by engine.gemv_layout.to_gemv_panels): w [N, K] with
 // N4 = N - N % 4 and K16 = K - K % 16 holds rows [0, N4) as N4 / 4 panels of 4 rows, 4 K elements
 // each: first the K16 / 16 column chunks, each chunk the 16 elements of row 0, then of row 1, 2, 3
 // (64 elements); then the K - K16 last columns of row 0, then of row 1, 2, 3. Rows [N4, N) follow,
 // row-major (at n * K, as in a dense matrix). A 4-row block of the kernels below thus reads one
 // ascending stream of addresses instead of four rows 4 K apart, which the hardware prefetcher
-// follows as well as a plain sum's (products 10-15% faster than on row-major rows: docs/benchmarks.md).
+// follows as well as a plain sum's (products ~20% faster than on row-major rows on an AVX2 EPYC:
+// docs/benchmarks.md, issue 11).
 template <typename T>
 inline const T* panel_of(const T* w, int64_t n, int64_t k) { return w + (n / 4) * 4 * k; }
 // Element (i, c) of a panel (row i of its 4, column c).
@@ -823,8 +824,9 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::TensorList qk
 
 // logits [R, V] float32 -> [R] int64: each row's first index of its largest value, a NaN counting
 // as larger than any number (the first NaN wins), as torch.argmax(logits, -1) on the CPU. One
-// thread, three vectorizable passes per row over a row that is still in cache (the lm_head
-// product just wrote it): no TensorIterator set-up and no parallel region for 49k floats.
+// thread, per row one vectorized pass (the max and a NaN flag) and one scan to its first index,
+// over a row still in cache (the lm_head product just wrote it): no TensorIterator set-up and no
+// parallel region for 49k floats (36 us against torch.argmax's 159 us on [1, 49152], AVX2 EPYC).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&
               logits.size(1) > 0, "argmax_rows takes a float32 CPU tensor [R, V] with V > 0");
