@@ -50,6 +50,7 @@ from .ctx_answer import parse_ctx_answer
 from .errors import OrchestratorError
 from .h1client import H1Client
 from .kv_selfcheck import HitSelfCheck, reported_hit
+from .lease import KV_SOURCE_FAILED, KVSourceFailed, Lease
 from .metrics import Metrics
 from .pools import ClusterPools, Server
 from .migration import GenPhase
@@ -71,13 +72,6 @@ log = logging.getLogger("orchestrator.disagg")
 T = TypeVar("T")
 RELEASE_TIMEOUT_S = 2.0
 PHASE_NAMES = {"ctx": "context phase", "gen": "generation phase"}
-
-
-KV_SOURCE_FAILED = "kv_transfer_error"  # a gen server's error type when pulling from the ctx server failed
-
-
-class KVSourceFailed(Exception):
-    """The gen server could not pull the parked KV: the ctx side is at fault, not the gen pool."""
 
 
 class _RequestIds:
@@ -122,14 +116,6 @@ class Exchange:
     @property
     def chat(self) -> bool:
         return self.endpoint.endswith("/chat/completions")
-
-
-@dataclass(frozen=True)
-class Lease:
-    """The KV blocks a ctx server parked for one request."""
-
-    ctx_url: str
-    ctx_request_id: str
 
 
 class DisaggFlow:
@@ -213,7 +199,7 @@ class DisaggFlow:
 
     async def handle(self, ex: Exchange) -> Response:
         """The client's response. Raises :class:`OrchestratorError` (4xx relay, 503 when a phase fails)."""
-        if not self._pools.gen.ready():  # fail fast: no prefill (and parked lease) nobody could pull
+        if not self._pools.gen.any_ready():  # fail fast: no prefill (and parked lease) nobody could pull
             raise OrchestratorError(503, f"no ready gen server ({self._pools.not_ready_reason()})",
                                     kind="gen_failed", type_="service_unavailable")
         if ex.body.get("seed") is None:  # one seed for every server the request meets

@@ -35,7 +35,8 @@ import time
 
 from . import jsonio
 from .choices import num_choices
-from .disagg import KV_SOURCE_FAILED, DisaggFlow, Exchange, KVSourceFailed, Lease, Response
+from .disagg import DisaggFlow, Exchange, Response
+from .lease import KV_SOURCE_FAILED, KVSourceFailed, Lease
 from .errors import OrchestratorError
 from .pools import Server
 from .migration import GenPhase

@@ -15,8 +15,9 @@ connection, which is how the server learns the request was cancelled.
 :meth:`H1Client.start` writes a request and returns at once (:class:`PendingPost`): the answer
 is read later, so two requests can be in flight from one task (generation_first).
 
-Every failure is an :class:`UpstreamError`; timeouts are the caller's (wrap calls in
-``asyncio.timeout``), except the connect timeout, which is this client's.
+Every failure is an :class:`UpstreamError`; timeouts are the caller's (a timer calling
+:meth:`PendingPost.expire` or :meth:`Response.abort`, or an ``asyncio.timeout`` around the
+calls), except the connect timeout, which is this client's.
 """
 
 from __future__ import annotations
@@ -362,17 +363,32 @@ class PendingPost:
         self._client, self._pool, self._conn, self._head, self._body = client, pool, conn, head, body
         self._response, self._headers_done = conn.start(head, body)
         self._handed_out = False
+        self._expired: UpstreamTimeout | None = None
+
+    def expire(self) -> None:
+        """The caller's deadline passed: a pending or later :meth:`response`, and a read of the
+        response, raise :class:`UpstreamTimeout`; the connection closes (which tells the server to stop). A timer
+        calls this (``loop.call_at``), one scheduled callback instead of an ``asyncio.timeout``
+        scope per upstream request; a no-op once the response is complete."""
+        err = self._expired = UpstreamTimeout("the caller's deadline passed")
+        if not self._headers_done.done():
+            self._headers_done.set_exception(err)
+        self._response.abort(err)
 
     async def response(self) -> Response:
-        """The response once its headers arrived. Raises UpstreamError."""
+        """The response once its headers arrived. Raises UpstreamError (UpstreamTimeout after
+        :meth:`expire`)."""
         try:
             await self._headers_done
         except UpstreamError as err:
             self._conn.close()
-            if not self._conn.reused:
+            if not self._conn.reused or self._expired is not None:
                 raise
             self._client._reconnected(f"http://{self._pool.host}:{self._pool.port}", err)
             self._conn = await self._client._connect(self._pool)
+            if self._expired is not None:  # the deadline passed while connecting again
+                self._conn.close()
+                raise self._expired from None
             self._response, self._headers_done = self._conn.start(self._head, self._body)
             try:
                 await self._headers_done

@@ -13,7 +13,7 @@ import asyncio
 
 import httpx
 
-from .h1client import ConnectError, UpstreamError
+from .h1client import ConnectError, UpstreamError, UpstreamTimeout
 
 
 class HttpxResponse:
@@ -104,10 +104,28 @@ class PendingHttpx:
     def __init__(self, task: asyncio.Task) -> None:
         self._task = task
         self._handed_out = False
+        self._expired: UpstreamTimeout | None = None
+
+    def expire(self) -> None:
+        """The caller's deadline passed (as :meth:`PendingPost.expire`): the post is cancelled, or
+        the response handed out is aborted; both then raise UpstreamTimeout."""
+        err = self._expired = UpstreamTimeout("the caller's deadline passed")
+        if not self._task.done():
+            self._task.cancel()
+        elif not self._task.cancelled() and self._task.exception() is None:
+            self._task.result().abort(err)
 
     async def response(self) -> HttpxResponse:
-        """The response once its headers arrived. Raises UpstreamError."""
-        resp = await self._task
+        """The response once its headers arrived. Raises UpstreamError (UpstreamTimeout after :meth:`expire`)."""
+        try:
+            resp = await self._task
+        except asyncio.CancelledError:
+            if self._expired is None or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise  # our caller is cancelled, not the post
+            raise self._expired from None
+        if self._expired is not None:
+            resp.close()
+            raise self._expired
         self._handed_out = True
         return resp
 

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import jsonio
 from .errors import OrchestratorError
+from .lease import KVSourceFailed, Lease
 from .progress import Progress
 from .relay import GenStream
 
 if TYPE_CHECKING:
-    from .disagg import DisaggFlow, Exchange, Lease
+    from .disagg import DisaggFlow, Exchange
     from .pools import Server
     from .router import RouteHint
 
@@ -76,8 +77,6 @@ class GenPhase:
         return await self._prefill_again()
 
     async def move(self, progress: Progress, moved: dict, source: "Server") -> GenStream:
-        from .disagg import Lease
-
         first = moved.get("first_gen_tokens")
         if not moved.get("ctx_request_id") or first != progress.token_ids:
             log.warning("gen server %s moved the request with %s output tokens, the relay has %d; prefilling it "
@@ -102,8 +101,6 @@ class GenPhase:
             await asyncio.sleep(_READY_POLL_S)
 
     async def _open_leased(self) -> GenStream:
-        from .disagg import KVSourceFailed
-
         assert self._lease is not None and self._params is not None
         try:
             return await self._open(self._gen_body(self._params), leased=True)
@@ -142,8 +139,6 @@ class GenPhase:
         return gs
 
     async def _prefill_again(self) -> GenStream:
-        from .disagg import Lease
-
         flow, ex = self._flow, self._ex
         if self._hint is not None:
             self._hint.resolve()  # a later pick: what held no block at the first one may hold some now

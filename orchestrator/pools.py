@@ -179,6 +179,13 @@ class Pool:
     def ready(self) -> list[Server]:
         return [s for s in self.servers if s.state is ServerState.READY]
 
+    def any_ready(self) -> bool:
+        """Whether some server is ready (no list built: the per-request fail-fast check)."""
+        for s in self.servers:
+            if s.state is ServerState.READY:
+                return True
+        return False
+
     def get(self, url: str) -> Server | None:
         return next((s for s in self.servers if s.url == url), None)
 

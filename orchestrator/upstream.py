@@ -93,23 +93,24 @@ async def start_post(client: H1Client, server: Server, path: str, body: bytes, r
 
 
 async def read_answer(pending: PendingPost, deadline: float, phase: str, timeout_s: float) -> bytes:
-    """The raw 2xx answer of ``pending``, read in full by ``deadline`` (``loop.time()``; ``timeout_s``
-    names the bound in the error).
+    """The raw 2xx answer of ``pending``, read in full by ``deadline`` (``loop.time()``: a timer
+    expires ``pending`` then; ``timeout_s`` names the bound in the error).
 
     Raises:
         UpstreamRejected: the server answered 4xx.
         AttemptFailed: 5xx, transport error or timeout.
     """
     resp: Response | None = None
+    timer = asyncio.get_running_loop().call_at(deadline, pending.expire)
     try:
-        async with asyncio.timeout_at(deadline):
-            resp = await pending.response()
-            raw = await resp.read()
-    except TimeoutError:
+        resp = await pending.response()
+        raw = await resp.read()
+    except UpstreamTimeout:
         raise AttemptFailed(f"no answer within {timeout_s:g} s") from None
     except UpstreamError as err:
         raise AttemptFailed(describe(err)) from None
     finally:
+        timer.cancel()
         pending.close()  # a no-op once the response was handed out
         if resp is not None:
             resp.close()  # a no-op once read; on cancellation it closes the connection (aborts upstream)
@@ -173,27 +174,29 @@ async def first_chunk(pending: PendingPost, deadline: float, phase: str, timeout
     """The stream of ``pending`` once its first body chunk arrived, by ``deadline`` (``loop.time()``;
     ``timeout_s`` names the bound in the error). Raises as :func:`open_stream`."""
     resp: Response | None = None
+    timer = asyncio.get_running_loop().call_at(deadline, pending.expire)
     try:
-        async with asyncio.timeout_at(deadline):
-            resp = await pending.response()
-            if not 200 <= resp.status < 300:
-                check_status(resp.status, await resp.read(), phase)
-            first = b""
-            while not first:  # skip empty chunks
-                chunk = await resp.next_chunk()
-                if chunk is None:
-                    raise AttemptFailed("stream ended before its first byte")
-                first = chunk
-            return OpenStream(resp, first)
+        resp = await pending.response()
+        if not 200 <= resp.status < 300:
+            check_status(resp.status, await resp.read(), phase)
+        first = b""
+        while not first:  # skip empty chunks
+            chunk = await resp.next_chunk()
+            if chunk is None:
+                raise AttemptFailed("stream ended before its first byte")
+            first = chunk
+        return OpenStream(resp, first)
     except BaseException as err:
         pending.close()
         if resp is not None:
             resp.close()  # on cancellation (the client left) this is what aborts the gen request
-        if isinstance(err, TimeoutError):
+        if isinstance(err, UpstreamTimeout):
             raise AttemptFailed(f"no first byte within {timeout_s:g} s") from None
         if isinstance(err, UpstreamError):
             raise AttemptFailed(describe(err)) from None
         raise
+    finally:
+        timer.cancel()
 
 
 async def release_lease(client: H1Client, ctx_url: str, ctx_request_id: str, timeout_s: float,

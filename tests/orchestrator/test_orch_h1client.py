@@ -211,3 +211,54 @@ def test_a_pending_post_says_when_it_failed_and_closing_it_closes_the_connection
             await client.aclose()
 
     run(main())
+
+
+def test_deadline_timer_fails_a_silent_answer_and_closes_its_connection():
+    """read_answer / first_chunk bound the answer by a timer (PendingPost.expire), not an
+    asyncio.timeout scope: past the deadline the attempt fails, naming the bound, and the
+    connection closes (what tells the server to stop); a keep-alive connection is not resent."""
+    from orchestrator.pools import Server
+    from orchestrator.upstream import AttemptFailed, first_chunk, read_answer, start_post
+
+    async def headers_then_silence(script, reader, writer) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if await reader.read() == b"":
+            script.closed_by_client.set()
+
+    async def never_answer(script, reader, writer) -> None:
+        await read_request(reader)
+        if await reader.read() == b"":
+            script.closed_by_client.set()
+
+    async def ok_then_silence(script, reader, writer) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await never_answer(script, reader, writer)
+
+    async def one(handler, read, message: str, warm: bool = False) -> None:
+        script = Script(handler)
+        async with script as url:
+            client = H1Client(1.0)
+            server = Server("ctx", 0, url, "static")
+            if warm:  # the timed-out request then goes out on a pooled keep-alive connection
+                assert await (await client.post(url, "/", b"{}")).read() == b'{"ok":true}'
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            pending = await start_post(client, server, "/v1/completions", b"{}")
+            with pytest.raises(AttemptFailed, match=message):
+                await read(pending, t0 + 0.2, "ctx", 0.2)
+            assert 0.15 < loop.time() - t0 < 2.0
+            await asyncio.wait_for(script.closed_by_client.wait(), 2.0)
+            assert script.connections == 1  # the expired request was not sent again
+            await client.aclose()
+
+    async def main() -> None:
+        await one(never_answer, read_answer, r"no answer within 0.2 s")
+        await one(headers_then_silence, read_answer, r"no answer within 0.2 s")
+        await one(never_answer, first_chunk, r"no first byte within 0.2 s")
+        await one(headers_then_silence, first_chunk, r"no first byte within 0.2 s")
+        await one(ok_then_silence, read_answer, r"no answer within 0.2 s", warm=True)
+
+    run(main())
