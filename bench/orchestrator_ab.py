@@ -28,21 +28,17 @@ differences; prints both sides' medians and the median difference (this - base, 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shlex
-import socket
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import orchestrator_overhead as oo  # noqa: E402
 import yaml  # noqa: E402
+from _c1 import connect, interleaved, one_request, prompt_request  # noqa: E402
 from _harness import PY, RESULTS, Procs, free_port, loadavg, median, say  # noqa: E402
-
-WORDS = "alpha beta gamma delta omega sigma river stone cloud paper seven green quick brown fox".split()
 
 
 def cpu_s(pid: int) -> float:
@@ -57,49 +53,16 @@ def cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def _connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _prompt_request(rng: random.Random) -> bytes:
-    body = json.dumps({"model": "fake-model", "prompt": " ".join(rng.choice(WORDS) for _ in range(32)),
-                       "max_tokens": 16, "stream": True}).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body)) + body
-
-
-def _one_request(sock: socket.socket, url: str, req: bytes) -> tuple[float, float]:
-    """One streamed completion on a keep-alive connection (bounded by its 10 s socket timeout):
-    (TTFT, E2EL) in ms, first SSE byte / last byte."""
-    t0 = time.perf_counter()
-    sock.sendall(req)
-    buf, first = b"", None
-    while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
-        piece = sock.recv(65536)
-        if not piece:
-            raise RuntimeError(f"{url} closed the connection")
-        buf += piece
-        if first is None and b"data: " in buf:
-            first = time.perf_counter()
-    done = time.perf_counter()
-    if b" 200 " not in buf[:16] or b"[DONE]" not in buf:
-        raise RuntimeError(f"{url} answered {buf[:300]!r}")
-    return 1e3 * ((first or done) - t0), 1e3 * (done - t0)
-
-
 def c1_run(url: str, pid: int, n: int, seed: int) -> dict:
     """``n`` sequential streamed completions over one raw keep-alive connection (bounded: 10 s
     per request); TTFT/E2EL medians (ms, first SSE byte / last byte) and the router's CPU µs/req."""
     rng = random.Random(seed)
-    sock = _connect(url)
+    sock = connect(url)
     ttft, e2el = [], []
     cpu0 = cpu_s(pid)
     try:
         for _ in range(n):
-            t, e = _one_request(sock, url, _prompt_request(rng))
+            t, e = one_request(sock, url, prompt_request(rng))
             ttft.append(t)
             e2el.append(e)
     finally:
@@ -112,18 +75,8 @@ def paired_c1(base_url: str, this_url: str, n: int, seed: int) -> dict:
     alternates), one keep-alive connection each: the per-prompt differences this - base (ms) see
     the same instant of the machine, so a load that drifts between runs cancels out. Returns the
     medians of both sides and of the differences."""
-    rng = random.Random(seed)
-    socks = {base_url: _connect(base_url), this_url: _connect(this_url)}
-    rows: dict[str, list[tuple[float, float]]] = {base_url: [], this_url: []}
-    try:
-        for i in range(n):
-            req = _prompt_request(rng)
-            for url in ((base_url, this_url) if i % 2 == 0 else (this_url, base_url)):
-                rows[url].append(_one_request(socks[url], url, req))
-    finally:
-        for sock in socks.values():
-            sock.close()
-    b, t = rows[base_url], rows[this_url]
+    rows = interleaved({"base": base_url, "this": this_url}, n, seed, warmup=0)
+    b, t = rows["base"], rows["this"]
     return {"base_ttft_ms": median([x[0] for x in b]), "this_ttft_ms": median([x[0] for x in t]),
             "d_ttft_ms": median([y[0] - x[0] for x, y in zip(b, t)]),
             "base_e2el_ms": median([x[1] for x in b]), "this_e2el_ms": median([x[1] for x in t]),

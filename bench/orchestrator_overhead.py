@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import yaml  # noqa: E402
 
+from _c1 import interleaved  # noqa: E402
 from _harness import (conditions, loadavg, FIGURES, PY, RESULTS, ROOT, Procs, bench, free_port, md_table, median, say,  # noqa: E402
                       tree_cpu_s, update_section)
 
@@ -181,6 +182,8 @@ def main() -> int:
     p.add_argument("--sglang-python", default=None, help="python of a venv with sglang-router (skipped if absent)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latency-prompts", type=int, default=200)
+    p.add_argument("--interleaved-prompts", type=int, default=400,
+                   help="per repeat: prompts sent to every target in turn at concurrency 1 (bench/_c1.py; 0: none)")
     p.add_argument("--throughput-prompts", type=int, default=1500)
     p.add_argument("--conc", type=int, default=32)
     p.add_argument("--pdserve-routers", default="round_robin,kv_cache_aware",
@@ -205,6 +208,7 @@ def main() -> int:
     lat: dict[str, list[dict]] = {}
     thr: dict[str, list[dict]] = {}
     wrk: dict[str, list[dict]] = {}
+    inter: dict[str, list[tuple[float, float]]] = {}  # per repeat: (TTFT p50, E2EL p50) of the interleaved prompts
     calls: dict = {}
     with Procs(RESULTS / "overhead" / "logs") as procs:
         urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal))
@@ -221,12 +225,18 @@ def main() -> int:
                 say(f"repeat {rep} {name}: TTFT p50 {m['ttft_ms']['median']:.2f} ms, "
                     f"p99 {m['ttft_ms']['p99']:.2f} ms; max {m2['request_throughput']:.0f} req/s (python), "
                     f"{w['request_throughput']:.0f} req/s (wrk), router CPU {fmt_us(w['cpu_us_per_request'])} µs/req")
+            if a.interleaved_prompts:
+                for name, samples in interleaved(urls, a.interleaved_prompts, 1000 + rep).items():
+                    inter.setdefault(name, []).append((median([t for t, _ in samples]), median([e for _, e in samples])))
+                say(f"repeat {rep} interleaved: " + ", ".join(
+                    f"{n} {v[-1][0]:.2f}/{v[-1][1]:.2f} ms" for n, v in inter.items()) + " (TTFT/E2EL p50)")
         import httpx
 
         for w, wurl in procs.worker_urls.items():
             calls[w] = httpx.get(f"{wurl}/stats", trust_env=False).json()
     (RESULTS / "overhead" / "results.json").write_text(json.dumps({"latency": lat, "throughput": thr, "wrk": wrk,
-                                                                    "worker_calls": calls}, indent=2))
+                                                                    "interleaved": inter, "worker_calls": calls},
+                                                                   indent=2))
     base_ttft50 = median([m["ttft_ms"]["median"] for m in lat["direct"]])
     base_ttft99 = median([m["ttft_ms"]["p99"] for m in lat["direct"]])
     base_e2e50 = median([m["e2el_ms"]["median"] for m in lat["direct"]])
@@ -241,12 +251,13 @@ def main() -> int:
         wrps = median([m["request_throughput"] for m in wrk[name]])
         cpu_us = median([m.get("cpu_us_per_request") for m in wrk[name]])
         summary[name] = (t50 - base_ttft50, t99 - base_ttft99, wrps)
+        i_ttft, i_e2el = interleaved_added(inter, name)
         rows.append([name, f"{t50:.2f}", f"{t99:.2f}", f"{t50 - base_ttft50:+.2f}", f"{t99 - base_ttft99:+.2f}",
-                     f"{e50 - base_e2e50:+.2f}", f"{e99 - base_e2e99:+.2f}", f"{rps:.0f}", f"{wrps:.0f}",
-                     " / ".join(f"{m['request_throughput']:.0f}" for m in wrk[name]), fmt_us(cpu_us)])
+                     f"{e50 - base_e2e50:+.2f}", f"{e99 - base_e2e99:+.2f}", i_ttft, i_e2el, f"{rps:.0f}",
+                     f"{wrps:.0f}", " / ".join(f"{m['request_throughput']:.0f}" for m in wrk[name]), fmt_us(cpu_us)])
     table = md_table(["path", "TTFT p50 ms", "TTFT p99 ms", "added TTFT p50", "added TTFT p99", "added E2EL p50",
-                      "added E2EL p99", "max req/s (python)", "max req/s (wrk)", "wrk runs",
-                      "router CPU µs/req (wrk)"], rows)
+                      "added E2EL p99", "added TTFT p50 (interleaved)", "added E2EL p50 (interleaved)",
+                      "max req/s (python)", "max req/s (wrk)", "wrk runs", "router CPU µs/req (wrk)"], rows)
     if a.dry_run:
         print(table)
         return 0
@@ -257,7 +268,7 @@ def main() -> int:
              f"with wrk ({v[2] / direct_rps:.2f}× direct)" for n, v in summary.items() if n != "direct"]
     reading = ("**Reading:** " + "; ".join(parts) + f". Direct tops out at {direct_rps:.0f} req/s with wrk: the "
                "ceiling of this setup (wrk and both fake workers share core 0), so a router near that number is "
-               "not the bottleneck here." + styles_reading(summary))
+               "not the bottleneck here." + styles_reading(summary) + interleaved_reading(inter))
     cmd = " ".join(["python bench/orchestrator_overhead.py"] + sys.argv[1:])
     workers_note = "" if a.pdserve_workers == "1" else (
         f" `K=k`: `orchestrator.num_workers: k`, k processes on one port (SO_REUSEPORT), all of them on "
@@ -287,7 +298,11 @@ concurrency 1 ({a.latency_prompts} requests per run, Python client); max req/s a
 with the Python client ({a.throughput_prompts} requests per run) and with `wrk` ({a.wrk_threads} thread,
 {a.conc} keep-alive connections, {a.wrk_seconds} s per run; the Python client is one process that tops out
 near 400–800 req/s on one core, wrk costs ~10× less per request). Medians of {a.repeats} repeats,
-targets alternating. *Router CPU µs/req*: user + system CPU time of the router's process tree
+targets alternating. *Interleaved*: in each repeat {a.interleaved_prompts} more prompts at concurrency 1, each
+sent to every target in turn (the order rotating by one target per prompt; `bench/_c1.py`, a raw keep-alive
+socket per target), so all targets see the same instants of the VM and its drift cancels out of the
+difference; the cell is the median over repeats of (target's TTFT or E2EL p50 − direct's, same repeat).
+*Router CPU µs/req*: user + system CPU time of the router's process tree
 (`/proc/PID/stat`) over each wrk run divided by the requests wrk completed — the router's own cost
 per request, which the machine's load changes far less than it changes latencies and rates.
 
@@ -320,6 +335,26 @@ What each router does per request (be fair when reading the numbers):
     update_section(a.section, body)
     print(table)
     return 0
+
+
+def interleaved_added(inter: dict[str, list[tuple[float, float]]], name: str) -> tuple[str, str]:
+    """The cells of ``name``'s interleaved columns: medians over repeats of its (TTFT, E2EL) p50 minus
+    direct's in the same repeat (ms, signed; "—" when not measured)."""
+    if name not in inter or "direct" not in inter:
+        return "—", "—"
+    pairs = list(zip(inter[name], inter["direct"]))
+    ttft = median([t - d[0] for (t, _), d in pairs])
+    e2el = median([e - d[1] for (_, e), d in pairs])
+    return f"{ttft:+.2f}", f"{e2el:+.2f}"
+
+
+def interleaved_reading(inter: dict[str, list[tuple[float, float]]]) -> str:
+    """One sentence: every router's interleaved added TTFT/E2EL p50 (ms), as in the table."""
+    names = [n for n in inter if n != "direct"]
+    if not names:
+        return ""
+    cells = [f"{n} {'/'.join(interleaved_added(inter, n))}" for n in names]
+    return " Interleaved (same instants for every target), added TTFT/E2EL p50 in ms: " + "; ".join(cells) + "."
 
 
 def styles_reading(summary: dict) -> str:
