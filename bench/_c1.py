@@ -40,7 +40,7 @@ def prompt_request(rng: random.Random, model: str = "fake-model", words: int = 3
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
 
-def one_request(sock: socket.socket, url: str, req: bytes) -> tuple[float, float]:
+def one_request(sock: socket.socket, url: str, req: bytes, quickack: bool = True) -> tuple[float, float]:
     """One streamed completion on a keep-alive connection: (TTFT, E2EL) in ms.
 
     Raises:
@@ -51,6 +51,8 @@ def one_request(sock: socket.socket, url: str, req: bytes) -> tuple[float, float
     sock.sendall(req)
     buf, first = b"", None
     while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
+        if quickack:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)  # Linux resets it after some ACKs
         piece = sock.recv(65536)
         if not piece:
             raise RuntimeError(f"{url} closed the connection")

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import yaml  # noqa: E402
 
 from _c1 import interleaved  # noqa: E402
+from _loopback import LoopbackQuickAck  # noqa: E402
 from _harness import (conditions, loadavg, FIGURES, PY, RESULTS, ROOT, Procs, bench, free_port, md_table, median, say,  # noqa: E402
                       tree_cpu_s, update_section)
 
@@ -210,7 +211,8 @@ def main() -> int:
     wrk: dict[str, list[dict]] = {}
     inter: dict[str, list[tuple[float, float]]] = {}  # per repeat: (TTFT p50, E2EL p50) of the interleaved prompts
     calls: dict = {}
-    with Procs(RESULTS / "overhead" / "logs") as procs:
+    with LoopbackQuickAck() as quickack, Procs(RESULTS / "overhead" / "logs") as procs:
+        say(f"loopback quickack: {quickack.state}")
         urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal))
         say(f"targets: {urls}")
         for rep in range(a.repeats):
@@ -289,7 +291,7 @@ def main() -> int:
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 
-{conditions(load0)} CPU flags: {cpu_flags()}.
+{conditions(load0)} CPU flags: {cpu_flags()}. {quickack.note()}
 
 The workers are `bench/fake_worker.py` (raw ASGI on uvicorn, answers at once, no model), so every
 millisecond above *direct* is the router's. Routers pinned to core(s) {a.router_cores}, workers and the load

@@ -229,7 +229,7 @@ class DisaggFlow:
         ctx_server, answer = await self._with_retries("ctx", lambda s: self._context_attempt(ex, s), hint,
                                                       set(failed_ctx))
         self._metrics.ctx_phase.observe(time.monotonic() - t0)
-        self._metrics.routed.labels("ctx", "disaggregated").inc()
+        self._metrics.child(self._metrics.routed, "ctx", "disaggregated").inc()
         if all_finished(answer):
             return self._final_from_ctx(ex, answer)
         return await self.generation_phase(ex, hint, ctx_server, answer, failed_ctx)
@@ -252,7 +252,7 @@ class DisaggFlow:
         try:
             _, response = await self._with_retries("gen", lambda s: self._gen_json_attempt(ex, s, gen_body), hint,
                                                    exclude, failures)
-            self._metrics.routed.labels("gen", "disaggregated").inc()
+            self._metrics.child(self._metrics.routed, "gen", "disaggregated").inc()
             handed_over = True
             return response
         except KVSourceFailed:
@@ -267,7 +267,7 @@ class DisaggFlow:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
         ex.colocated = True
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
-        self._metrics.routed.labels("gen", "colocated").inc()
+        self._metrics.child(self._metrics.routed, "gen", "colocated").inc()
         if num_choices(ex.body) > 1 and (ex.stream or self._settings.migration_limit):
             return await self._relayed_choices(ex, hint, None, None, set())
         if ex.stream or self._settings.migration_limit:
@@ -479,7 +479,7 @@ class DisaggFlow:
             raise
         if leased:
             self._metrics.kv_handoff.observe(time.monotonic() - t0)
-            self._metrics.routed.labels("gen", "disaggregated").inc()
+            self._metrics.child(self._metrics.routed, "gen", "disaggregated").inc()
         return GenStream(server, stream, predicted)
 
     def _final_from_ctx(self, ex: Exchange, answer: dict) -> Response:

@@ -8,9 +8,11 @@ group per request). Per request, in order:
 2. admission: past ``orchestrator.max_inflight_requests`` open requests, 429 + ``Retry-After``;
 3. the body is read (at most :data:`pdserve.request_body.MAX_BODY_BYTES`, else 413 and the
    connection closed) and parsed once by the shared rules (:func:`orchestrator.validation.parse_client_body`);
-4. :meth:`DisaggFlow.handle` runs in the request's own task while one watcher task waits for the
-   client's ``http.disconnect``; a disconnect before the last byte cancels the request's task,
-   which closes its upstream connections (that is what aborts the request on the servers).
+4. :meth:`DisaggFlow.handle` runs in the request's own task; a client disconnect before the last
+   byte cancels that task (told by the connection's ``connection_lost`` through its
+   :class:`~orchestrator.http_protocol.DisconnectHook`, or, under another ASGI server, by a watcher
+   task waiting for ``http.disconnect``), which closes its upstream connections (that is what
+   aborts the request on the servers).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 from pdserve import request_id
 from .disagg import Exchange
 from .errors import OrchestratorError
+from .http_protocol import DISCONNECT_HOOK, DisconnectHook
 from pdserve.request_body import MAX_BODY_BYTES
 
 from .validation import parse_client_body, tools_of
@@ -37,24 +40,38 @@ OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class _DisconnectWatch:
-    """One task that cancels ``task`` when the client leaves before the answer's last byte."""
+    """Cancels the current task when the client leaves before the answer's last byte: through the
+    connection's :class:`~orchestrator.http_protocol.DisconnectHook` when the server is uvicorn
+    with :class:`~orchestrator.http_protocol.HeadWithBodyProtocol` (no task), else with one task
+    waiting in ``receive()`` for ``http.disconnect``."""
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
         self.task = asyncio.current_task()
         self.disconnected = False
         self.done = False  # set when the last byte is handed to the server: a disconnect after it is normal
-        self._watch = asyncio.get_running_loop().create_task(self._run(receive), name="disconnect-watch")
+        self._hook: DisconnectHook | None = scope.get(DISCONNECT_HOOK)
+        self._watch: asyncio.Task | None = None
+        if self._hook is not None:
+            self._hook.callback = self._left
+        else:
+            self._watch = asyncio.get_running_loop().create_task(self._run(receive), name="disconnect-watch")
 
     async def _run(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        self._left()
+
+    def _left(self) -> None:
         if not self.done and self.task is not None:
             self.disconnected = True
             self.task.cancel()
 
     def stop(self) -> None:
         self.done = True
-        self._watch.cancel()
+        if self._hook is not None:
+            self._hook.callback = None
+        if self._watch is not None:
+            self._watch.cancel()
 
 
 def _too_large(message: str) -> OrchestratorError:
@@ -75,7 +92,8 @@ async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise _too_large(f"request body of {int(value)} bytes is over the {limit}-byte limit")
     parts, size = [], 0
-    async with asyncio.timeout(timeout_s):
+    expiry = _Expiry(timeout_s)  # one timer, cheaper than an asyncio.timeout scope on every request
+    try:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -87,6 +105,38 @@ async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
+    except asyncio.CancelledError:
+        if expiry.expired():
+            raise TimeoutError(f"request body not received within {timeout_s:g} s") from None
+        raise
+    finally:
+        expiry.cancel()
+
+
+class _Expiry:
+    """Cancels the current task once ``timeout_s`` passed (until :meth:`cancel`); :meth:`expired`,
+    called on the CancelledError, says whether that cancellation was this timer's (and takes it
+    back, so the task goes on) or someone else's."""
+
+    __slots__ = ("_task", "_handle", "_fired")
+
+    def __init__(self, timeout_s: float) -> None:
+        self._task = asyncio.current_task()
+        self._fired = False
+        self._handle = asyncio.get_running_loop().call_later(timeout_s, self._fire)
+
+    def _fire(self) -> None:
+        self._fired = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def expired(self) -> bool:
+        if not self._fired or self._task is None:
+            return False
+        return self._task.uncancel() == 0  # another cancellation still pending: not (only) ours
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def _session_key(orch: "Orchestrator", scope: Scope, body: dict) -> str | None:
@@ -132,7 +182,7 @@ async def serve_openai(orch: "Orchestrator", scope: Scope, receive: Receive, sen
             ex = Exchange(endpoint, body, request_id=rid, session=_session_key(orch, scope, body),
                           tools=tools_of(endpoint, body))
             assert orch.flow is not None, "app not started"
-            watch = _DisconnectWatch(receive)
+            watch = _DisconnectWatch(scope, receive)
             response = await orch.flow.handle(ex)
             await response(scope, receive, send_with_id)
         except OrchestratorError as err:

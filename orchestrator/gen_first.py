@@ -156,7 +156,7 @@ class InFlightSource:
                 return await self._phase.kv_source_lost(failure)
             return await self._phase.first_elsewhere(gen.server.url, failure)
         assert isinstance(gs, GenStream)
-        flow._metrics.routed.labels("gen", "disaggregated").inc()
+        flow._metrics.child(flow._metrics.routed, "gen", "disaggregated").inc()
         if gen.opened_s is not None:
             # The KV handoff as context_first times it: from the parked KV (the ctx answer, here)
             # to the gen stream's first byte; 0 when that byte came before the answer was read.
@@ -185,7 +185,7 @@ class GenerationFirstFlow(DisaggFlow):
                                                              set(failed_ctx))
         t_answer = time.monotonic()
         self._metrics.ctx_phase.observe(t_answer - t0)
-        self._metrics.routed.labels("ctx", "disaggregated").inc()
+        self._metrics.child(self._metrics.routed, "ctx", "disaggregated").inc()
         if answer["choices"][0].get("finish_reason") is not None:
             gen.discard()
             return self._final_from_ctx(ex, answer)
@@ -206,7 +206,7 @@ class GenerationFirstFlow(DisaggFlow):
             raise
         if isinstance(response, GenStream):  # failed_early() said a stream's answer was not 2xx
             raise AssertionError("generation_first: a 2xx gen stream after a failed status")
-        self._metrics.routed.labels("gen", "disaggregated").inc()
+        self._metrics.child(self._metrics.routed, "gen", "disaggregated").inc()
         return response
 
     async def _both(self, ex: Exchange, ctx_server: Server, hint: RouteHint | None) -> tuple[dict, GenAttempt]:

@@ -59,7 +59,7 @@ class Response:
     def __init__(self, conn: "_Connection") -> None:
         self._conn = conn
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # as they came (the hot path reads none)
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._complete = False
@@ -89,6 +89,11 @@ class Response:
             self._waiter.set_result(None)
 
     # -- read by the caller ------------------------------------------------------------------
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers, names lower-cased (decoded on each call: nothing on the hot path asks)."""
+        return {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in self.raw_headers}
+
     @property
     def complete(self) -> bool:
         return self._complete
@@ -190,7 +195,7 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._response is not None
-        self._response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         assert self._response is not None

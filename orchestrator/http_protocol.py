@@ -9,11 +9,16 @@ in the same turn of the event loop (an app that awaits between ``http.response.s
 first body message) leaves on its own at the loop's next turn (``loop.call_soon``), so nothing
 waits longer than that. Nothing else changes: the bytes on the wire are the same, in the same
 order; ``100 Continue`` interim answers are written at once.
+
+It also hands each request a :class:`DisconnectHook`: the orchestrator's OpenAI routes learn that
+their client left from ``connection_lost`` directly, instead of keeping a task per request
+waiting in ``receive()`` for ``http.disconnect`` (a task created, stepped and cancelled per request).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -63,9 +68,39 @@ class _HeadHoldingTransport:
         return getattr(self._transport, name)
 
 
+DISCONNECT_HOOK = "pdserve.disconnect_hook"  # the scope key of a request's DisconnectHook
+
+
+class DisconnectHook:
+    """One connection's way to tell the request it is serving that the client left, without a task
+    per request blocked in ``receive()`` for ``http.disconnect``: the app sets :attr:`callback`
+    (and clears it once its answer's last byte is handed over); the protocol calls it from
+    ``connection_lost``. The request's scope holds it under :data:`DISCONNECT_HOOK`."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
+
+    def fire(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
 class HeadWithBodyProtocol(HttpToolsProtocol):
     """:class:`HttpToolsProtocol` writing through :class:`_HeadHoldingTransport` (see the module
-    docstring); pass it as uvicorn's ``http`` option."""
+    docstring), and putting the connection's :class:`DisconnectHook` in every request's scope;
+    pass it as uvicorn's ``http`` option."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.disconnect_hook = DisconnectHook()
         super().connection_made(_HeadHoldingTransport(transport))  # type: ignore[arg-type]
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[DISCONNECT_HOOK] = self.disconnect_hook  # type: ignore[literal-required]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.disconnect_hook.fire()

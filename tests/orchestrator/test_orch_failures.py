@@ -179,3 +179,29 @@ def test_health_503_until_every_pool_has_a_ready_server(make_cluster):
     r = httpx.get(c.url + "/health", timeout=5)
     assert r.json()["status"] == "ok"
     assert r.json()["pools"]["gen"]["ready"] == 1
+
+
+def test_a_body_that_never_arrives_gets_408_and_the_connection_stays_usable(make_cluster):
+    """The body read is bounded by request_timeout_s (a timer, orchestrator.front._Expiry): a
+    client that announces 400 bytes and sends 10 gets 408 in the OpenAI shape, nothing reaches a
+    server, and the orchestrator goes on serving."""
+    import socket
+
+    c = make_cluster(request_timeout_s=0.3)
+    host, port = c.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        t0 = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 400\r\n\r\n{\"model\":")
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            answer += piece
+        assert 0.25 < time.monotonic() - t0 < 5
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b'"error"' in answer and b"not received in time" in answer
+    assert c.ctx[0].record.bodies == [] and c.gen[0].record.bodies == []
+    r = httpx.post(c.url + "/v1/completions", json=COMPLETION, timeout=10)
+    assert r.status_code == 200

@@ -75,6 +75,7 @@ def test_keep_alive_reuses_one_connection_and_sends_headers():
             for _ in range(3):
                 resp = await client.post(url, "/v1/completions", b'{"a":1}', (("X-Request-Id", "rid-1"),))
                 assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+                assert resp.headers == {"content-type": "application/json", "content-length": "11"}
             await client.aclose()
             return script.connections
 

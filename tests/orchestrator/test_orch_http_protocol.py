@@ -120,3 +120,83 @@ def test_over_uvicorn_a_head_with_no_body_yet_reaches_the_client() -> None:
             assert rest == b"4\r\nlate\r\n0\r\n\r\n"
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(30)
+def test_over_uvicorn_a_client_that_leaves_fires_its_requests_disconnect_hook() -> None:
+    """HeadWithBodyProtocol puts one DisconnectHook per connection in each request's scope and
+    calls it from connection_lost: the app learns that its client left with no task of its own."""
+    from orchestrator.http_protocol import DISCONNECT_HOOK
+
+    fired, set_up = [], []
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        hook = scope[DISCONNECT_HOOK]
+        done = asyncio.Event()
+        hook.callback = lambda: (fired.append(True), done.set())
+        set_up.append(True)
+        await asyncio.wait_for(done.wait(), 10)
+
+    srv = ThreadServer(app, http=HeadWithBodyProtocol).start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while not set_up and time.monotonic() < deadline:
+                time.sleep(0.01)
+        deadline = time.monotonic() + 5
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fired == [True]
+    finally:
+        srv.stop()
+
+
+def test_disconnect_watch_cancels_through_the_hook_or_through_a_watcher_task() -> None:
+    """orchestrator.front's watch: with a hook (our protocol) the hook cancels the request's task;
+    without one (another ASGI server) a task waiting for http.disconnect does; after stop(), a
+    disconnect cancels nothing (the answer's last byte had left)."""
+    from orchestrator.front import _DisconnectWatch
+    from orchestrator.http_protocol import DISCONNECT_HOOK, DisconnectHook
+
+    async def main() -> None:
+        disconnect = asyncio.Event()
+
+        async def receive():
+            await disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        for scope in ({DISCONNECT_HOOK: DisconnectHook()}, {}):
+            disconnect.clear()
+
+            async def request(scope=scope):
+                watch = _DisconnectWatch(scope, receive)
+                try:
+                    await asyncio.sleep(10)
+                finally:
+                    watch.stop()
+                    assert watch.disconnected
+
+            task = asyncio.get_running_loop().create_task(request())
+            await asyncio.sleep(0.01)
+            if scope:
+                scope[DISCONNECT_HOOK].fire()
+            else:
+                disconnect.set()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 5)
+
+        hook = DisconnectHook()
+
+        async def finished():
+            watch = _DisconnectWatch({DISCONNECT_HOOK: hook}, receive)
+            watch.stop()
+            return watch
+
+        watch = await finished()
+        hook.fire()
+        assert not watch.disconnected and hook.callback is None
+
+    asyncio.run(asyncio.wait_for(main(), 10))
