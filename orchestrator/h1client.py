@@ -120,7 +120,7 @@ class Response:
             if self._error is not None:
                 err = self._error
                 raise (err if isinstance(err, UpstreamError) else UpstreamError(str(err))) from None
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._conn.loop.create_future()
             await self._waiter
             self._waiter = None
         chunks = self._chunks
@@ -153,6 +153,9 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: "_OriginPool") -> None:
         self._pool = pool
+        # Looked up once per connection: asyncio.get_running_loop() checks the pid (a getpid
+        # system call) on every call, and a request made ~12 such calls.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._response: Response | None = None
@@ -216,7 +219,7 @@ class _Connection(asyncio.Protocol):
     def start(self, head: bytes, body: bytes) -> tuple[Response, asyncio.Future]:
         """Write one request now; the future completes when its status line and headers arrived."""
         response = self._response = Response(self)
-        headers_done = self._headers_done = asyncio.get_running_loop().create_future()
+        headers_done = self._headers_done = self.loop.create_future()
         assert self.transport is not None
         self.transport.write(head + body)
         return response, headers_done
@@ -369,6 +372,11 @@ class PendingPost:
         self._response, self._headers_done = conn.start(head, body)
         self._handed_out = False
         self._expired: UpstreamTimeout | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the request runs on (its connection's)."""
+        return self._conn.loop
 
     def expire(self) -> None:
         """The caller's deadline passed: a pending or later :meth:`response`, and a read of the

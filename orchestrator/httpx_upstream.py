@@ -105,6 +105,7 @@ class PendingHttpx:
         self._task = task
         self._handed_out = False
         self._expired: UpstreamTimeout | None = None
+        self.loop = task.get_loop()
 
     def expire(self) -> None:
         """The caller's deadline passed (as :meth:`PendingPost.expire`): the post is cancelled, or

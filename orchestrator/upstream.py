@@ -101,7 +101,7 @@ async def read_answer(pending: PendingPost, deadline: float, phase: str, timeout
         AttemptFailed: 5xx, transport error or timeout.
     """
     resp: Response | None = None
-    timer = asyncio.get_running_loop().call_at(deadline, pending.expire)
+    timer = pending.loop.call_at(deadline, pending.expire)
     try:
         resp = await pending.response()
         raw = await resp.read()
@@ -174,7 +174,7 @@ async def first_chunk(pending: PendingPost, deadline: float, phase: str, timeout
     """The stream of ``pending`` once its first body chunk arrived, by ``deadline`` (``loop.time()``;
     ``timeout_s`` names the bound in the error). Raises as :func:`open_stream`."""
     resp: Response | None = None
-    timer = asyncio.get_running_loop().call_at(deadline, pending.expire)
+    timer = pending.loop.call_at(deadline, pending.expire)
     try:
         resp = await pending.response()
         if not 200 <= resp.status < 300:
