@@ -68,7 +68,7 @@ class _DisconnectWatch:
 
     def stop(self) -> None:
         self.done = True
-        if self._hook is not None:
+        if self._hook is not None and self._hook.callback == self._left:  # not a later request's
             self._hook.callback = None
         if self._watch is not None:
             self._watch.cancel()

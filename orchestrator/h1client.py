@@ -378,6 +378,11 @@ class PendingPost:
         """The event loop the request runs on (its connection's)."""
         return self._conn.loop
 
+    @property
+    def expired(self) -> bool:
+        """Whether :meth:`expire` ran (a response read after it may still hold bytes that came first)."""
+        return self._expired is not None
+
     def expire(self) -> None:
         """The caller's deadline passed: a pending or later :meth:`response`, and a read of the
         response, raise :class:`UpstreamTimeout`; the connection closes (which tells the server to stop). A timer

@@ -101,6 +101,15 @@ class HeadWithBodyProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.scope[DISCONNECT_HOOK] = self.disconnect_hook  # type: ignore[literal-required]
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # uvicorn pauses reading past 64 KiB of buffered body and only receive() resumes it; with
+        # the hook nobody calls receive() after the body, so a big body would leave reading off
+        # and a client's close unseen (no connection_lost). The body is whole now: read on (a
+        # pipelined next request still pauses it in on_headers_complete).
+        if self.flow is not None:
+            self.flow.resume_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.disconnect_hook.fire()

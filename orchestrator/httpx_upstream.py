@@ -116,6 +116,10 @@ class PendingHttpx:
         elif not self._task.cancelled() and self._task.exception() is None:
             self._task.result().abort(err)
 
+    @property
+    def expired(self) -> bool:
+        return self._expired is not None
+
     async def response(self) -> HttpxResponse:
         """The response once its headers arrived. Raises UpstreamError (UpstreamTimeout after :meth:`expire`)."""
         try:

@@ -185,6 +185,8 @@ async def first_chunk(pending: PendingPost, deadline: float, phase: str, timeout
             if chunk is None:
                 raise AttemptFailed("stream ended before its first byte")
             first = chunk
+        if pending.expired:  # the deadline passed in the turn the first chunk came: the stream is cut
+            raise UpstreamTimeout("the caller's deadline passed")
         return OpenStream(resp, first)
     except BaseException as err:
         pending.close()

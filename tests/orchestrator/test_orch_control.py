@@ -98,6 +98,19 @@ def test_non_stream_client_disconnect_cancels_gen_and_releases_lease(make_cluste
              ["pools"]["gen"]["in_flight"] == 0)
 
 
+def test_a_client_that_leaves_after_a_big_body_is_still_noticed(make_cluster):
+    """A body over uvicorn's 64 KiB high-water mark pauses reading until receive() resumes it; the
+    disconnect hook calls no receive(), so the protocol reads on once the body is whole
+    (HeadWithBodyProtocol.on_message_complete): the client's close still aborts the gen request."""
+    c = make_cluster()
+    c.gen[0].behavior.answer_delay_s = 5.0
+    big = {**COMPLETION, "prompt": "word " * 40_000}  # ~200 KB: one read past the high-water mark
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(c.url + "/v1/completions", json=big, timeout=1.0)
+    wait_for(lambda: c.gen[0].record.aborted_requests == 1)
+    wait_for(lambda: len(c.ctx[0].record.releases) == 1)
+
+
 def test_scale_needs_token_and_a_launcher(make_cluster, monkeypatch):
     c = make_cluster()
     url = c.url + "/cluster/pools/gen/scale"

@@ -263,3 +263,30 @@ def test_deadline_timer_fails_a_silent_answer_and_closes_its_connection():
         await one(ok_then_silence, read_answer, r"no answer within 0.2 s", warm=True)
 
     run(main())
+
+
+def test_a_stream_whose_deadline_passed_as_its_first_chunk_came_is_a_timeout():
+    """The timer may run in the loop turn that also brings the first chunk: the chunk is buffered
+    but the connection is cut, so first_chunk must fail (retry elsewhere), not hand out a stream."""
+    from orchestrator.pools import Server
+    from orchestrator.upstream import AttemptFailed, first_chunk, start_post
+
+    async def stream_then_hold(script, reader, writer) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ndata: 1\r\n")
+        await reader.read()
+
+    async def main() -> None:
+        async with Script(stream_then_hold) as url:
+            client = H1Client(1.0)
+            pending = await start_post(client, Server("gen", 0, url, "static"), "/v1/completions", b"{}")
+            resp = await pending.response()
+            while not resp._chunks:  # the first chunk is buffered
+                await asyncio.sleep(0.01)
+            pending.expire()  # as the timer would, before the reader resumes
+            loop = asyncio.get_running_loop()
+            with pytest.raises(AttemptFailed, match="no first byte within 5 s"):
+                await first_chunk(pending, loop.time() + 5, "gen", 5.0)
+            await client.aclose()
+
+    run(main())
