@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -39,9 +40,41 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
-def _free_port(host: str) -> int:
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORT_PROBES = 64
+
+
+def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux; 32768-60999 by default,
+    and that default where the file is missing or unreadable)."""
+    try:
+        lo, hi = (int(x) for x in path.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return lo, hi
+
+
+def _free_port(host: str, rng: random.Random | None = None) -> int:
+    """A port nothing is bound to on ``host``, chosen outside the ephemeral range where there is
+    room: a port from that range (what binding port 0 gives) can become some outgoing connection's
+    source port between this probe and the server's own bind a second later, and then the server
+    and each of its restarts, on the same port, fail with EADDRINUSE (seen in the test suite, whose
+    processes open thousands of loopback connections). Random probes of 1024..lo-1 (or hi+1..65535),
+    each checked with a bind; port 0's pick if none is free."""
     import socket
 
+    rng = rng or random.Random()
+    lo, hi = ephemeral_range()
+    span = (1024, lo - 1) if lo - 1024 >= 1024 else (hi + 1, 65535)
+    if span[1] - span[0] >= 1024:
+        for _ in range(_PORT_PROBES):
+            port = rng.randint(*span)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
