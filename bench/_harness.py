@@ -12,7 +12,6 @@ import platform
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,12 @@ import httpx  # noqa: E402
 import yaml  # noqa: E402
 
 from pdbench.cli import build_parser, run_sweep  # noqa: E402
+from pdserve.ports import free_port  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results"   # gitignored: raw JSON of every run
 FIGURES = ROOT / "docs" / "figures"    # committed PNGs referenced from docs/benchmarks.md
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def say(msg: str) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
-import random
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from pdserve.config import Topology
+from pdserve.ports import free_port
 from pdserve.exit_codes import describe
 
 from .fleet import Instance
@@ -38,46 +38,6 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-
-
-EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_PORT_PROBES = 64
-
-
-def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
-    """The kernel's range of source ports for outgoing connections (Linux; 32768-60999 by default,
-    and that default where the file is missing or unreadable)."""
-    try:
-        lo, hi = (int(x) for x in path.read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999
-    return lo, hi
-
-
-def _free_port(host: str, rng: random.Random | None = None) -> int:
-    """A port nothing is bound to on ``host``, chosen outside the ephemeral range where there is
-    room: a port from that range (what binding port 0 gives) can become some outgoing connection's
-    source port between this probe and the server's own bind a second later, and then the server
-    and each of its restarts, on the same port, fail with EADDRINUSE (seen in the test suite, whose
-    processes open thousands of loopback connections). Random probes of 1024..lo-1 (or hi+1..65535),
-    each checked with a bind; port 0's pick if none is free."""
-    import socket
-
-    rng = rng or random.Random()
-    lo, hi = ephemeral_range()
-    span = (1024, lo - 1) if lo - 1024 >= 1024 else (hi + 1, 65535)
-    if span[1] - span[0] >= 1024:
-        for _ in range(_PORT_PROBES):
-            port = rng.randint(*span)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalBackend:
@@ -103,7 +63,7 @@ class LocalBackend:
         if inst.slot < len(specs) and specs[inst.slot].port:
             return specs[inst.slot].host, specs[inst.slot].port
         host = specs[0].host if specs else "127.0.0.1"
-        return host, _free_port(host)
+        return host, free_port(host)
 
     def argv(self, inst: Instance, host: str, port: int) -> list[str]:
         return [self._python, "-m", _MODULES[inst.role], "--config", str(self.config_path), "--index", str(inst.slot),

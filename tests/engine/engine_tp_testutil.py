@@ -4,15 +4,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.ports import free_port
 
 
 def _entry(fn: Callable, rank: int, size: int, port: int, timeout_s: float, args: tuple,
