@@ -92,8 +92,7 @@ async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise _too_large(f"request body of {int(value)} bytes is over the {limit}-byte limit")
     parts, size = [], 0
-    expiry = _Expiry(timeout_s)  # one timer, cheaper than an asyncio.timeout scope on every request
-    try:
+    async with asyncio.timeout(timeout_s):
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -105,38 +104,6 @@ async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
-    except asyncio.CancelledError:
-        if expiry.expired():
-            raise TimeoutError(f"request body not received within {timeout_s:g} s") from None
-        raise
-    finally:
-        expiry.cancel()
-
-
-class _Expiry:
-    """Cancels the current task once ``timeout_s`` passed (until :meth:`cancel`); :meth:`expired`,
-    called on the CancelledError, says whether that cancellation was this timer's (and takes it
-    back, so the task goes on) or someone else's."""
-
-    __slots__ = ("_task", "_handle", "_fired")
-
-    def __init__(self, timeout_s: float) -> None:
-        self._task = asyncio.current_task()
-        self._fired = False
-        self._handle = asyncio.get_running_loop().call_later(timeout_s, self._fire)
-
-    def _fire(self) -> None:
-        self._fired = True
-        if self._task is not None:
-            self._task.cancel()
-
-    def expired(self) -> bool:
-        if not self._fired or self._task is None:
-            return False
-        return self._task.uncancel() == 0  # another cancellation still pending: not (only) ours
-
-    def cancel(self) -> None:
-        self._handle.cancel()
 
 
 def _session_key(orch: "Orchestrator", scope: Scope, body: dict) -> str | None:

@@ -385,9 +385,10 @@ class PendingPost:
 
     def expire(self) -> None:
         """The caller's deadline passed: a pending or later :meth:`response`, and a read of the
-        response, raise :class:`UpstreamTimeout`; the connection closes (which tells the server to stop). A timer
-        calls this (``loop.call_at``), one scheduled callback instead of an ``asyncio.timeout``
-        scope per upstream request; a no-op once the response is complete."""
+        response, raise :class:`UpstreamTimeout`, and the connection closes (which tells the server
+        to stop); body bytes already buffered can still be read (:attr:`expired` tells). A timer
+        calls this (``loop.call_at``): one scheduled callback instead of an ``asyncio.timeout``
+        scope per upstream request."""
         err = self._expired = UpstreamTimeout("the caller's deadline passed")
         if not self._headers_done.done():
             self._headers_done.set_exception(err)

@@ -118,6 +118,7 @@ class PendingHttpx:
 
     @property
     def expired(self) -> bool:
+        """Whether :meth:`expire` ran."""
         return self._expired is not None
 
     async def response(self) -> HttpxResponse:

@@ -182,7 +182,7 @@ def test_health_503_until_every_pool_has_a_ready_server(make_cluster):
 
 
 def test_a_body_that_never_arrives_gets_408_and_the_connection_stays_usable(make_cluster):
-    """The body read is bounded by request_timeout_s (a timer, orchestrator.front._Expiry): a
+    """The body read is bounded by request_timeout_s (orchestrator.front.read_body): a
     client that announces 400 bytes and sends 10 gets 408 in the OpenAI shape, nothing reaches a
     server, and the orchestrator goes on serving."""
     import socket
