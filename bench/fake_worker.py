@@ -7,7 +7,8 @@ It speaks what each router in the overhead experiment asks of a worker:
 - plain OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (stream or not): ``max_tokens``
   one-word tokens, then a usage chunk; ``--token-delay-ms`` between streamed tokens (default 0);
 - pdserve's ``disaggregated_params``: ``context_only`` → a one-token answer with parked-lease
-  params (no KV is really parked); ``generation_only`` → the stream; ``POST /disagg/release``;
+  params (no KV is really parked); ``generation_only`` → the stream (pass-through events when it names
+  ``relay_head``, as a pdserve gen server writes them); ``POST /disagg/release``;
 - pdserve's ``generation_first`` (``orchestrator.schedule_style``): a ``generation_only`` request
   that names ``ctx_url`` instead of the ctx params really waits, streaming only once the ctx
   worker's ``context_only`` answer for that ``disagg_request_id`` is made. ``--ctx-signal pull``:
@@ -50,6 +51,7 @@ if str(ROOT / "bench") not in sys.path:  # ... and fake_ctx_feed beside this fil
     sys.path.insert(0, str(ROOT / "bench"))
 
 from fake_ctx_feed import FEED_PATH, ParkedFeeds, ParkedPublisher  # noqa: E402
+from pdserve.protocol import RELAY_LINE  # noqa: E402
 
 MODEL = "fake-model"
 WORD = " tok"
@@ -328,7 +330,11 @@ class FakeWorker:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
         obj = "chat.completion.chunk" if chat else "text_completion"
-        for i, event in enumerate(_token_events(rid, obj, created, chat, n)):
+        head = dp.get("relay_head")
+        if isinstance(head, dict):  # pass-through events, as a pdserve gen server writes them
+            rid, created = head["id"], head["created"]
+        events = _token_events(rid, obj, created, chat, n, passed=isinstance(head, dict))
+        for i, event in enumerate(events):
             await send({"type": "http.response.body", "body": event, "more_body": True})
             if i == 0:
                 self.trace.mark(trace_id, "gen_first")
@@ -342,24 +348,35 @@ class FakeWorker:
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
-def _token_events(rid: str, obj: str, created: int, chat: bool, n: int) -> list[bytes]:
+def _token_events(rid: str, obj: str, created: int, chat: bool, n: int, passed: bool = False) -> list[bytes]:
     """The ``n`` SSE events (``data: {...}`` and a blank line each) of a streamed answer of ``n`` tokens;
     the middle ones are the same bytes, encoded once (the fake's cost per token stays far below a
-    router's)."""
+    router's). ``passed``: pass-through events (``disaggregated_params.relay_head``): each after its
+    record line (pdserve.protocol.RELAY_LINE), no role."""
+    if passed:
+        middle = encode_chunk(rid, obj, created, chat, None, role=False)
+        return [RELAY_LINE + b"[%d,%d,[%d],%s]\n" % (4 * i, 4 * i + 4, 1000 + i, b'"length"' if i == n - 1 else b"null")
+                + (encode_chunk(rid, obj, created, chat, "length", role=False) if i == n - 1 else middle)
+                for i in range(n)]
+
     def encode(i: int) -> bytes:
-        finish = "length" if i == n - 1 else None
-        if chat:
-            delta = {"content": WORD} if i else {"role": "assistant", "content": WORD}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": WORD, "finish_reason": finish, "logprobs": None}
-        event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
-        return b"data: " + json.dumps(event).encode() + b"\n\n"
+        return encode_chunk(rid, obj, created, chat, "length" if i == n - 1 else None, role=i == 0)
 
     if n <= 3:
         return [encode(i) for i in range(n)]
     middle = encode(1)
     return [encode(0), *([middle] * (n - 2)), encode(n - 1)]
+
+
+def encode_chunk(rid: str, obj: str, created: int, chat: bool, finish: str | None, role: bool) -> bytes:
+    """One ``data:`` event of one token (WORD)."""
+    if chat:
+        delta = {"role": "assistant", "content": WORD} if role else {"content": WORD}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": WORD, "finish_reason": finish, "logprobs": None}
+    event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [choice]}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,6 +62,7 @@ from pdserve.protocol import (
     KVLayoutModel,
     ModelCard,
     ModelList,
+    RelayHead,
     error_body,
     now_s,
     sse_event,
@@ -305,9 +306,19 @@ async def _serve(request: Request, state: ServerState, chat: bool) -> Response:
         return Response(status_code=499)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        token_ids = bool(disagg and disagg.stream_token_ids)
-        return StreamingResponse(run.sse(first, include_usage, token_ids, answer), media_type="text/event-stream")
+        if disagg is not None and disagg.relay_head is not None and passes_through(body, shape):
+            events = run.relay_sse(first, include_usage, disagg.relay_head, answer)
+        else:
+            events = run.sse(first, include_usage, bool(disagg and disagg.stream_token_ids), answer)
+        return StreamingResponse(events, media_type="text/event-stream")
     return await run.collect(first, request, answer)
+
+
+def passes_through(body: ChatCompletionRequest | CompletionRequest, shape: Shape) -> bool:
+    """Whether a stream asked for ``relay_head`` gets pass-through events (:meth:`_Run.relay_sse`):
+    one choice whose text goes out as is (no logprobs, echo, per-chunk usage or parser here)."""
+    return (body.n == 1 and not shape.parsers and shape.logprobs is None and shape.echo is None
+            and not shape.continuous_usage)
 
 
 def choice_indexes(n: int, disagg: DisaggregatedParams | None) -> range:
@@ -468,6 +479,37 @@ class _Run:
                     yield enc.event(text, finish, role=is_first, logprobs=lp, usage=usage,
                                     token_ids=list(out.new_token_ids) if token_ids else None, index=out.index,
                                     delta=None if parsed is None else parsed.to_openai())
+                if out.finished:
+                    break
+                out = await self.next()
+            if include_usage:
+                yield enc.usage_event(self.choices.usage())
+        except ApiError as err:
+            yield sse_event(error_body(err.message, err.type, err.code or err.status))
+        finally:
+            await self.outputs.aclose()
+        yield SSE_DONE
+
+    async def relay_sse(self, first: RequestOutput, include_usage: bool, head: RelayHead,
+                        answer: PhaseAnswer | None = None) -> AsyncIterator[bytes]:
+        """:meth:`sse` as pass-through events (``disaggregated_params.relay_head``, one choice): each
+        output with text, token ids or a finish reason becomes :meth:`ChunkEncoder.relay_event` (the
+        chunk as the client gets it: ``head``'s id and created, no role), its record holding the text's
+        character offsets in the output text; the usage chunk, a ``moved`` event and an error event
+        are written as :meth:`sse` writes them, without a record."""
+        enc = ChunkEncoder(self.chat, head.id, head.created, self.model)
+        chars = 0  # characters of output text before the next output's
+        try:
+            out = first
+            while out is not None:
+                if out.finish_reason == "moved":
+                    if out.finished:
+                        yield self._moved_event(answer)
+                        yield SSE_DONE
+                        return
+                elif out.new_text or out.new_token_ids or out.finish_reason is not None or out.finished:
+                    yield enc.relay_event(out.new_text, out.finish_reason, chars, list(out.new_token_ids))
+                    chars += len(out.new_text)
                 if out.finished:
                     break
                 out = await self.next()

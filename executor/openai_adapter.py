@@ -21,6 +21,7 @@ from pdserve.structured_output import StructuredOutputSpec
 from pdserve.output_parser import OutputParser
 from pdserve.tool_use import NO_TOOLS, ToolError, ToolUse, check_template_kwargs, tool_use
 from pdserve.protocol import (
+    RELAY_LINE,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -333,6 +334,9 @@ def chunk(chat: bool, rid: str, created: int, model: str, text: str | None, fini
                            choices=[CompletionChunkChoice(text=text or "", finish_reason=finish_reason)])
 
 
+_RELAY = RELAY_LINE.decode()
+
+
 def _dumps(value: object) -> str:
     """Compact JSON with raw UTF-8, as pydantic's ``model_dump_json`` writes it."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
@@ -374,6 +378,16 @@ class ChunkEncoder:
         else:
             choice = f'{{"index":{int(index)},"text":{_dumps(text or "")},'
         return (self._head + choice + end).encode()
+
+    def relay_event(self, text: str, finish_reason: str | None, start: int, token_ids: list[int]) -> bytes:
+        """One pass-through event (``disaggregated_params.relay_head``): the
+        :data:`pdserve.protocol.RELAY_LINE` record ``[start, start + len(text), token_ids,
+        finish_reason]`` (``start``: characters of output text before ``text``), then the client's
+        chunk (no role) when it has text or a finish reason; the record alone otherwise."""
+        record = f'{_RELAY}[{start},{start + len(text)},{_dumps(token_ids)},{_dumps(finish_reason)}]\n'
+        if not text and finish_reason is None:
+            return (record + "\n").encode()
+        return record.encode() + self.event(text, finish_reason)
 
     def usage_event(self, usage: Usage) -> bytes:
         """The final usage-only chunk (no choices)."""

@@ -108,6 +108,9 @@ class Exchange:
     tools: ToolUse = NO_TOOLS      # what tools/tool_choice ask (checked at validation)
     parses: bool = False           # chat text is parsed (reasoning, tool calls): relayed streams ask for raw text
     choice_index: int | None = None  # continues this choice of an n > 1 request (n = 1 body; orchestrator.choices)
+    # A disaggregated stream relayed as bytes: the id and created its chunks carry, asked of every
+    # gen server as disaggregated_params.relay_head (None: each event is parsed and rewritten here).
+    relay_head: dict | None = None
 
     @property
     def stream(self) -> bool:
@@ -206,6 +209,7 @@ class DisaggFlow:
             ex.body = {**ex.body, "seed": random.getrandbits(63)}
         # n > 1 too: each choice's text is parsed here by its own parser (orchestrator.choices)
         ex.parses = self.output_parser(ex) is not None
+        ex.relay_head = relay_head(ex)
         hint = ex.hint = await self._route_hint(ex)
         if self._is_short(hint):
             return await self._colocated(ex, hint)
@@ -266,6 +270,7 @@ class DisaggFlow:
     async def _colocated(self, ex: Exchange, hint: RouteHint | None) -> Response:
         """A short prompt: prefill and decode on one gen server (no KV handoff)."""
         ex.colocated = True
+        ex.relay_head = None  # its first stream names the head and the role: every chunk is merged here
         self._metrics.queue.observe(time.monotonic() - ex.started_s)
         self._metrics.child(self._metrics.routed, "gen", "colocated").inc()
         if num_choices(ex.body) > 1 and (ex.stream or self._settings.migration_limit):
@@ -288,7 +293,7 @@ class DisaggFlow:
         progress = Progress.for_body(ex.body, ex.chat, self.output_parser(ex))
         first = None
         if answer is not None:
-            first = progress.take_ctx_answer(answer)
+            first = progress.take_ctx_answer(answer, ex.relay_head)
         include_usage = bool((ex.body.get("stream_options") or {}).get("include_usage", False))
         migrate = self._settings.migration_limit > 0
         phase = GenPhase(self, ex, hint, progress, lease, None if answer is None else
@@ -501,6 +506,17 @@ class DisaggFlow:
         elapsed = time.monotonic() - ex.started_s
         self._metrics.child(self._metrics.ttft, ex.endpoint).observe(elapsed)
         self._metrics.child(self._metrics.e2e, ex.endpoint).observe(elapsed)
+
+
+def relay_head(ex: Exchange) -> dict | None:
+    """The ``id`` and ``created`` (unix seconds) of ``ex``'s chunks when its gen streams may pass
+    through as bytes (:meth:`orchestrator.relay.GenRelay._passed`): a client's stream of one choice
+    whose text is not parsed here. None otherwise. The id is the disagg request id's random part
+    (OpenAI's ``cmpl-``/``chatcmpl-`` prefix), so a stream keeps one id across servers."""
+    if not ex.stream or ex.parses or num_choices(ex.body) > 1:
+        return None
+    return {"id": f"{'chatcmpl' if ex.chat else 'cmpl'}-{ex.disagg_request_id.removeprefix('disagg-')}",
+            "created": int(time.time())}
 
 
 def _prompt_tokens(answer: dict) -> int | None:

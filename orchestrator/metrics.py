@@ -58,6 +58,9 @@ class Metrics:
                                   "after theirs died mid-decode", registry=r)
         self.moves = Counter("pdserve_orchestrator_kv_moves", "Streams continued on another gen server that "
                              "pulled their KV from a gen server draining with move_kv", registry=r)
+        self.relayed_events = LoopCounter("pdserve_orchestrator_relayed_events",
+                                          "Gen stream events read by the relay, by how: passed (pass-through, the "
+                                          "server's bytes) or merged (parsed and rewritten here)", ["how"], registry=r)
         self.pool_servers = Gauge("pdserve_orchestrator_pool_servers", "Servers per pool and state",
                                   ["pool", "state"], registry=r)
         self.pool_in_flight = Gauge("pdserve_orchestrator_pool_in_flight_requests",

@@ -69,6 +69,9 @@ class GenPhase:
             self.first_stream = await self._open_leased()
         return self.first_stream
 
+    def ready(self) -> bool:
+        return False  # its first stream is requested by first(): a round trip away
+
     async def migrate(self, progress: Progress) -> GenStream:
         settings = self._flow._settings
         deadline = time.monotonic() + settings.migration_wait_s
@@ -164,6 +167,8 @@ class GenPhase:
         dp = {**params, "request_type": "generation_only", "disagg_request_id": self._ex.disagg_request_id,
               "first_gen_tokens": first}
         self._request_side(dp)
+        if self._ex.relay_head is not None:  # the stream passes through as bytes (orchestrator.relay)
+            dp["relay_head"] = self._ex.relay_head
         return jsonio.dumps({**self._ex.body, **self._stream_fields(), "disaggregated_params": dp})
 
     def _request_side(self, dp: dict[str, Any]) -> None:

@@ -57,7 +57,8 @@ class Progress:
     """One request's output as the client has it.
 
     ``token_ids``: output token ids generated so far (the ctx server's first token included);
-    ``parts``: the text pieces the client was sent (their concatenation is the answer's text);
+    ``parts``: the text pieces the client was sent (their concatenation is the answer's text; a
+    pass-through event's text is not kept: :meth:`Attempt.take_record`, a client's stream only);
     ``sent_len``: characters sent; ``head``: ``id``/``created``/``model`` of every chunk the client
     gets (the first answer's, so the stream keeps one id across servers); ``cached_tokens``: the
     first ctx server's prefix-cache hit (a migration's re-prefill reports that one, not its own).
@@ -90,15 +91,18 @@ class Progress:
                    continuous_usage=bool(opts.get("continuous_usage_stats")),
                    parser=parser if chat else None)
 
-    def take_ctx_answer(self, answer: dict) -> str:
+    def take_ctx_answer(self, answer: dict, head: dict | None = None) -> str:
         """Record the ctx server's (not final) answer; return the text the client may get now.
+        ``head``: the ``id`` and ``created`` the client's chunks carry (pass-through streams,
+        :attr:`orchestrator.disagg.Exchange.relay_head`), else the answer's.
 
         The ctx server finished its part, so it held nothing back for stop strings: the tail
         that could begin one is held back here, as the gen server will."""
         choice = answer["choices"][0]
         params = choice.get("disaggregated_params") or {}
-        self.head = {"id": answer.get("id", ""), "created": int(answer.get("created", 0) or 0),
-                     "model": answer.get("model", "")}
+        if head is None:
+            head = {"id": answer.get("id", ""), "created": int(answer.get("created", 0) or 0)}
+        self.head = {"id": head["id"], "created": head["created"], "model": answer.get("model", "")}
         self.token_ids = [int(t) for t in params.get("first_gen_tokens") or []]
         self.cached_tokens = params.get("cached_tokens")
         usage = answer.get("usage") or {}
@@ -240,6 +244,30 @@ class Attempt:
         else:
             choice["text"] = new
         return event
+
+    def take_record(self, start: int, end: int, ids: list, finish: str | None) -> bool:
+        """Merge a pass-through event's record (:data:`pdserve.protocol.RELAY_LINE`: its text is
+        output characters ``start``..``end``) when its chunk goes to the client as the server wrote
+        it: its text begins where the client's ends (or it has none). False (nothing merged) when
+        its text overlaps what the client has: the caller merges the chunk with :meth:`absorb`.
+        The text itself is not kept (:attr:`Progress.parts`). Raises ValueError on a record that
+        does not continue this stream's text, or token ids that are not ints."""
+        if start != self.text_len or end < start:
+            raise ValueError(f"its text at characters {start}..{end} does not follow the stream's {self.text_len}")
+        p = self.p
+        if start < p.sent_len and end > start:  # text the client has (some or all of it): absorb cuts it
+            return False
+        if ids:
+            self._take_ids(ids)
+            if self.lp is not None:
+                self.lp.pos += len(ids)
+        self.chunks += 1
+        self.text_len = end
+        if end > p.sent_len:
+            p.sent_len = end
+        if finish is not None:
+            p.finish_reason = finish
+        return True
 
     def _parsed(self, event: dict, choice: dict, delta: dict | None, new: str, finish: str | None,
                 lp: dict | None) -> dict | None:

@@ -27,14 +27,14 @@ from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from pdserve.protocol import SSE_DONE
+from pdserve.protocol import RELAY_LINE, SSE_DONE
 
 from . import jsonio
 from .errors import OrchestratorError
 from .h1client import UpstreamError
 from .metrics import Metrics
 from .pools import Server
-from .progress import Attempt, Progress
+from .progress import TOKEN_IDS_FIELD, Attempt, Progress
 from .sse import EventSplitter, error_events
 from .upstream import OpenStream, describe
 
@@ -62,6 +62,10 @@ class GenSource(Protocol):
 
     async def first(self) -> GenStream:
         """The first gen stream. Raises OrchestratorError (every attempt failed, or a 4xx)."""
+
+    def ready(self) -> bool:
+        """Whether :meth:`first` will not wait: the first stream's first bytes are already here
+        (generation_first: requested with the ctx request)."""
 
     async def migrate(self, progress: Progress) -> GenStream:
         """A new gen stream continuing from ``progress.token_ids``. Raises OrchestratorError."""
@@ -114,15 +118,31 @@ class GenRelay:
         self.finished = False
         self.broken: Broken | None = None  # why the last stream ended, when run() returned its failure
         self.chunks_sent = 0
+        self.events = 0  # gen stream events read (every stream of the request; [DONE] not counted)
+        self.passed = 0  # ... of which pass-through events relayed as the server wrote them
         self.t_last: float | None = None
         self._tail: list[bytes] = []  # client chunks that came in the piece holding [DONE] (take_tail)
+        self._lead: bytes | None = None  # run()'s lead, until the first write takes it
 
-    async def run(self, emit: Emit | None) -> str | None:
+    async def run(self, emit: Emit | None, lead: bytes | None = None) -> str | None:
         """Relay until the request finishes (None) or fails for good (the failure's message).
+        ``lead``: bytes for the client that leave with the first piece's chunks, in one write (the
+        first token, when the source is :meth:`GenSource.ready`); :meth:`take_tail` hands them out
+        if no piece came.
 
         Raises:
             OrchestratorError: no gen stream could be opened (first or migration target).
         """
+        self._lead = lead
+        try:
+            return await self._run(emit)
+        finally:
+            if self.events:
+                m = self._metrics
+                m.child(m.relayed_events, "passed").inc(self.passed)
+                m.child(m.relayed_events, "merged").inc(self.events - self.passed)
+
+    async def _run(self, emit: Emit | None) -> str | None:
         gs = await self._source.first()
         while True:
             broken = await self._pump(gs, emit)
@@ -164,8 +184,11 @@ class GenRelay:
         url = gs.server.url
         while True:
             out: list[bytes] | None = [] if emit is not None else None
-            for payload in splitter.feed(piece):
+            payloads = splitter.feed(piece)
+            self.events += len(payloads)
+            for payload in payloads:
                 if payload == b"[DONE]":
+                    self.events -= 1
                     self._tail = out or []
                     return None
                 broken = self._event(payload, attempt, out, url)
@@ -189,10 +212,43 @@ class GenRelay:
     def _event(self, payload: bytes, attempt: Attempt, out: list[bytes] | None, url: str) -> Broken | None:
         """Merge one event into the request (the client's chunk, if any, appended to ``out`` unless
         None); a :class:`Broken` when it is an error or not JSON."""
+        if payload.startswith(RELAY_LINE):
+            return self._passed(payload, attempt, out, url)
         try:
             event = jsonio.loads(payload)
         except ValueError:
             return Broken(f"generation stream from {url} sent an event that is not JSON")
+        return self._merge(event, attempt, out, url)
+
+    def _passed(self, payload: bytes, attempt: Attempt, out: list[bytes] | None, url: str) -> Broken | None:
+        """Merge one pass-through event (``disaggregated_params.relay_head``): its record, then its
+        chunk as the server wrote it when the chunk's text follows the client's (the usual case: no
+        JSON is parsed or written); a chunk whose text overlaps what the client has (the first one
+        after the ctx server's first token, or a migration's replay) is merged as any other event.
+        Per event on the hot path: the checks are inlined (:meth:`Attempt.take_record` is the rule)."""
+        nl = payload.find(b"\n")
+        try:
+            start, end, ids, finish = jsonio.loads(payload[4:nl] if nl >= 0 else payload[4:])
+            if type(start) is not int or type(end) is not int or type(ids) is not list or (
+                    finish is not None and type(finish) is not str):
+                raise ValueError("not [start, end, [token ids], finish_reason]")
+            if nl < 0 and end != start:
+                raise ValueError("a record of text without its chunk")
+            if attempt.take_record(start, end, ids, finish):
+                self.passed += 1
+                if nl >= 0 and out is not None:
+                    out.append(payload[nl + 1:] + b"\n\n")
+                return None
+            if not payload.startswith(b"data: ", nl + 1):
+                raise ValueError("the record is not followed by a data line")
+            event = jsonio.loads(payload[nl + 7:])
+            event["choices"][0][TOKEN_IDS_FIELD] = ids
+        except (ValueError, TypeError, KeyError, IndexError) as err:
+            return Broken(f"generation stream from {url} sent a bad pass-through event: {err}", migratable=False)
+        return self._merge(event, attempt, out, url)
+
+    def _merge(self, event: object, attempt: Attempt, out: list[bytes] | None, url: str) -> Broken | None:
+        """:meth:`_event` for an event parsed from JSON."""
         if not isinstance(event, dict):
             return Broken(f"generation stream from {url} sent an event that is not a JSON object")
         if isinstance(event.get("moved"), dict):  # drain by moving KV: the request's KV is parked there
@@ -212,13 +268,23 @@ class GenRelay:
         return None
 
     async def _emit(self, emit: Emit | None, out: list[bytes] | None) -> None:
-        """Write ``out`` (the client's chunks of one upstream piece) in one body message."""
-        if out and emit is not None:
+        """Write ``out`` (the client's chunks of one upstream piece, after the lead if it is still
+        there) in one body message."""
+        if emit is None or not (out or self._lead is not None):
+            return
+        assert out is not None
+        if self._lead is not None:
+            out.insert(0, self.take_lead())
+            await emit(b"".join(out))
+            self._sent(len(out) - 1)
+        else:
             await emit(out[0] if len(out) == 1 else b"".join(out))
             self._sent(len(out))
 
     def _sent(self, n: int) -> None:
         """Count ``n`` chunks written at once (ITL: the gap before the first, 0 between the rest)."""
+        if n <= 0:
+            return
         now = time.monotonic()
         if self.t_last is not None:
             self._itl.observe(now - self.t_last)
@@ -235,12 +301,17 @@ class GenRelay:
         return broken
 
     def take_tail(self) -> list[bytes]:
-        """The client chunks that arrived with the final ``[DONE]`` (counted as sent now): the
-        caller writes them with the stream's last body message."""
+        """The client chunks that arrived with the final ``[DONE]`` (counted as sent now), after the
+        lead if no write took it: the caller writes them with the stream's last body message."""
         tail, self._tail = self._tail, []
-        if tail:
-            self._sent(len(tail))
-        return tail
+        self._sent(len(tail))
+        lead = self.take_lead()
+        return tail if lead is None else [lead, *tail]
+
+    def take_lead(self) -> bytes | None:
+        """:meth:`run`'s lead if no write took it yet (then the caller writes it), else None."""
+        lead, self._lead = self._lead, None
+        return lead
 
     def usage_chunk(self) -> bytes | None:
         """The usage chunk to add at the end, when the client wants one and no gen stream sent it."""
@@ -280,28 +351,34 @@ class StreamAnswer:
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
+            lead = None
             if self._first is not None:
-                await emit(self._first)
-            await self._relay_to(emit, send)
+                if self._source.ready():  # the gen stream's first bytes are here too: one write for both
+                    lead = self._first
+                else:
+                    await emit(self._first)
+            await self._relay_to(emit, send, lead)
             self._observe_tpot()
         finally:
             self.close()
 
-    async def _relay_to(self, emit: Emit, send: Send) -> None:
+    async def _relay_to(self, emit: Emit, send: Send, lead: bytes | None) -> None:
         try:
-            failure = await self._relay.run(emit)
+            failure = await self._relay.run(emit, lead)
         except OrchestratorError as err:
             failure, type_, code = err.message, err.type_, err.status
         else:
             type_, code = "upstream_error", 502
         if failure is None:
             usage = self._relay.usage_chunk()
-            pending = self._relay.take_tail()  # the last chunks: they leave with [DONE]
-            if pending:
-                self._first_byte()
+            pending = self._relay.take_tail()  # the last chunks (and the lead, if unsent): they leave with [DONE]
             tail = pending + ([usage] if usage else []) + [SSE_DONE]
         else:
-            tail = error_events(failure, type_, code)
+            unsent = self._relay.take_lead()
+            pending = [unsent] if unsent else []
+            tail = pending + error_events(failure, type_, code)
+        if pending:
+            self._first_byte()
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
 
     def _observe_tpot(self) -> None:

@@ -73,6 +73,21 @@ MOVED_CHOICES_KEY = "choices"
 
 MAX_CHOICES = 16  # `n` at most; the engine's limit (engine.request.MAX_CHOICES) is the same
 
+# A pass-through stream's record line (``disaggregated_params.relay_head``): an SSE comment
+# ``:pd [start, end, [token ids], finish_reason]`` before each event's ``data:`` line (or alone,
+# for tokens whose text is held back). ``start``/``end``: the event's text as character offsets of
+# the output text (which starts with ``first_gen_tokens``' text). Clients ignore comment lines (WHATWG
+# HTML, "server-sent events"); the orchestrator strips them.
+RELAY_LINE = b":pd "
+
+
+class RelayHead(BaseModel):
+    """The client-facing ``id`` and ``created`` (unix seconds) a pass-through stream's chunks carry."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    created: Annotated[int, Field(ge=0, strict=True)]
+
 
 class DisaggregatedParams(BaseModel):
     """Phase routing of one request (request side: orchestrator → server; answer side: ctx → orchestrator).
@@ -134,6 +149,12 @@ class DisaggregatedParams(BaseModel):
     raw_output: StrictBool | None = Field(
         None, description="request side: the caller assembles the client's text itself and parses tool calls and "
                           "reasoning out of it (pdserve.output_parser); the server streams the text unparsed")
+    relay_head: RelayHead | None = Field(
+        None, description="request side (generation_only streams): stream pass-through events, the chunks as the "
+                          "client gets them (this id and created, no role, no token_ids field) each after a "
+                          "RELAY_LINE record of its text offsets, token ids and finish reason; a server may ignore "
+                          "it where it cannot (n > 1, logprobs, echo, continuous usage, a parser of its own), "
+                          "then it streams as without it")
 
     @property
     def awaits_ctx(self) -> bool:

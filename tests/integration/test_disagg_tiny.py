@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -49,7 +50,9 @@ def run(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[s
     with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60,
                       headers=headers) as r:
         assert r.status_code == 200, r.read()
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        lines = list(r.iter_lines())
+    assert not [line for line in lines if line.startswith(":")]  # no pass-through record reaches a client
+    events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     for e in events[:-1]:
         d = json.loads(e)
@@ -78,6 +81,7 @@ def plain(result: tuple) -> tuple:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_disaggregated_equals_colocated(tiny_cluster, orch, path, stream):
+    passed_before = passed_events(orch)
     for prompt in PROMPTS:
         body = chat_body(prompt, stream) if "chat" in path else completion_body(prompt, stream)
         disagg = run(orch, path, body)
@@ -87,6 +91,15 @@ def test_disaggregated_equals_colocated(tiny_cluster, orch, path, stream):
         assert disagg == colocated, prompt
         assert disagg[2]["completion_tokens"] == 24 and disagg[1] == "length"
         assert hits[1] == (disagg[2]["prompt_tokens"] - 1) // 4 * 4  # pulled blocks joined the gen cache
+    if stream:  # the gen server honoured relay_head: chunks passed through as it wrote them
+        assert passed_events(orch) > passed_before
+
+
+def passed_events(url: str) -> float:
+    """The orchestrator's count of pass-through events relayed as bytes (disaggregated_params.relay_head)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(r'pdserve_orchestrator_relayed_events_total\{how="passed"\} ([0-9.e+]+)', text)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_single_token_prompt_ids(tiny_cluster):

@@ -4,6 +4,8 @@ Token ``i`` of every answer is ``TOKENS[i % len(TOKENS)]`` (or of ``Behavior.tok
 gen server streams tokens 0..max_tokens-1 (token 0 = ``first_gen_tokens``, sent exactly once; a
 migrated stream's gen request lists tokens 0..k-1 there, and the gen stream still starts at token 0,
 as a real gen server's does), with token id ``i`` in ``token_ids`` when asked.
+A gen request with ``relay_head`` gets pass-through events (:data:`pdserve.protocol.RELAY_LINE` records), as
+a pdserve server streams them, unless ``Behavior.pass_through`` is off.
 A :class:`Behavior` injects failures; a :class:`Record` keeps what each server saw.
 
 generation_first: the fake ctx server answers ``POST /disagg/lease`` (``pdserve.kv_wait``) once its
@@ -25,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.protocol import SSE_DONE, error_body, sse_event
+from pdserve.protocol import RELAY_LINE, SSE_DONE, error_body, sse_event
 
 TOKENS = ["Hello", ",", " world", "!", " How", " are", " you", "?"]
 MODEL = "fake-model"
@@ -64,6 +66,7 @@ class Behavior:
     ctx_answer_after_wait_timeout: bool = False
     tokens: list[str] | None = None        # the token texts answers are made of (None: TOKENS)
     finish_reason: str = "length"          # what an answer that reaches max_tokens ends with
+    pass_through: bool = True              # gen stream: honour relay_head as a pdserve server does (False: ignore it)
 
 
 @dataclass
@@ -115,6 +118,19 @@ def _chunk(chat: bool, cid: str, text: str | None, finish: str | None, role: boo
                       "choices": [{"index": 0, "text": text or "", **ids, "finish_reason": finish}]})
 
 
+def _passed_chunk(chat: bool, head: dict, text: str | None, finish: str | None, start: int, ids: list[int]) -> bytes:
+    """A pass-through event (relay_head): the record, then the client's chunk (no role, no token_ids)."""
+    record = RELAY_LINE + json.dumps([start, start + len(text or ""), ids, finish]).encode() + b"\n"
+    if not text and finish is None:
+        return record + b"\n"
+    if chat:
+        delta = {} if text is None else {"content": text}
+        return record + sse_event({**head, "object": "chat.completion.chunk", "model": MODEL,
+                                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    return record + sse_event({**head, "object": "text_completion", "model": MODEL,
+                               "choices": [{"index": 0, "text": text or "", "finish_reason": finish}]})
+
+
 def _ctx_answer(beh: Behavior, rec: Record, chat: bool, body: dict) -> tuple[JSONResponse, dict]:
     """The ctx answer and the lease-wait outcome it settles."""
     n = _max_tokens(body, chat)
@@ -161,9 +177,10 @@ def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
     dp = body.get("disaggregated_params") or {}
     with_ids = bool(dp.get("stream_token_ids"))
     cid = f"cmpl-{uuid.uuid4().hex[:8]}"
+    head = dp.get("relay_head") if beh.pass_through else None
 
     async def events():
-        done = False
+        done, chars = False, 0  # pass-through: characters of output text streamed so far
         try:
             breaks = beh.break_after_chunks is not None and beh.break_times > 0
             if breaks:
@@ -182,9 +199,17 @@ def _gen_stream(beh: Behavior, rec: Record, chat: bool, body: dict):
                     yield SSE_DONE
                     return
                 tokens = beh.tokens or TOKENS
-                yield _chunk(chat, cid, tokens[i % len(tokens)], None, role=(i == 0), token_ids=[i] if with_ids else None)
+                text = tokens[i % len(tokens)]
+                if head is not None:
+                    yield _passed_chunk(chat, head, text, None, chars, [i])
+                    chars += len(text)
+                else:
+                    yield _chunk(chat, cid, text, None, role=(i == 0), token_ids=[i] if with_ids else None)
                 await asyncio.sleep(beh.chunk_delay_s)
-            yield _chunk(chat, cid, None if chat else "", beh.finish_reason)
+            if head is not None:
+                yield _passed_chunk(chat, head, None if chat else "", beh.finish_reason, chars, [])
+            else:
+                yield _chunk(chat, cid, None if chat else "", beh.finish_reason)
             if include_usage:
                 yield sse_event({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                                  "created": 0, "model": MODEL, "choices": [], "usage": _usage(n)})

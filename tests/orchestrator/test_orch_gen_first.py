@@ -31,6 +31,10 @@ def test_gen_request_names_the_ctx_server_and_waits_for_its_lease(make_cluster, 
     (gen_body,) = c.gen[0].record.bodies
     ctx_dp, dp = ctx_body["disaggregated_params"], gen_body["disaggregated_params"]
     assert ctx_dp["request_type"] == "context_only" and ctx_body["stream"] is False
+    if stream:  # a client's stream may pass through as bytes: every chunk carries the head asked for
+        head = dp.pop("relay_head")
+        assert head["id"].startswith("chatcmpl-" if chat else "cmpl-") and abs(head["created"] - time.time()) < 60
+        assert {e["id"] for e in parse_sse(r.content) if isinstance(e, dict)} == {head["id"]}
     assert dp == {"request_type": "generation_only", "disagg_request_id": ctx_dp["disagg_request_id"],
                   "ctx_url": c.ctx[0].server.url,  # nothing of the ctx answer: it did not exist yet
                   # the relay keeps the ids (migration) and may move it off a gen server that drains;
