@@ -2,15 +2,12 @@
 
     .venv/bin/python bench/relay_cost.py [--events 16] [--requests 20000]
 
-One request's gen stream of ``--events`` completion chunks, in one upstream piece (what a relay that
-falls behind reads, and what the overhead bench's fake gen worker sends at once) and in one piece
-per event (a relay that keeps up with a decoding server), through :class:`orchestrator.relay.GenRelay`'s per-event
-merge of one upstream piece (``GenRelay._payloads`` and ``_event``, as ``_events`` runs them), the
-way a pdserve gen server writes them: plain chunks with ``token_ids`` (no ``relay_head``) and
-pass-through events (``disaggregated_params.relay_head``: the first one, which repeats the ctx
-server's token, is merged; the run after it goes out as written, read at once by
-``orchestrator.pass_through.take_run``). Prints µs per request and per event (best of 3 runs, on
-this process's core); no network, no event loop.
+One request's gen stream of ``--events`` completion chunks in one upstream piece (what the overhead
+bench's fake gen worker sends at once), through :class:`orchestrator.relay.GenRelay`'s per-event
+merge, the way a pdserve gen server writes them: plain chunks with ``token_ids`` (no
+``relay_head``) and pass-through events (``disaggregated_params.relay_head``: the first one, which
+repeats the ctx server's token, is merged, the rest go out as written). Prints µs per request and
+per event (best of 3 runs, on this process's core); no network, no event loop.
 """
 
 from __future__ import annotations
@@ -52,8 +49,8 @@ def passed_piece(n: int) -> bytes:
                     + b"\n" + chunk(i, n, False) + b"\n\n" for i in range(n))
 
 
-def per_request_us(pieces: list[bytes], requests: int) -> float:
-    """µs to merge ``pieces`` into a request whose client already has the first token (setup excluded)."""
+def per_request_us(piece: bytes, requests: int) -> float:
+    """µs to merge ``piece`` into a request whose client already has the first token (setup excluded)."""
     metrics, total = Metrics(), 0.0
     ctx = {"id": "x", "created": 1, "model": "fake-model",
            "choices": [{"index": 0, "text": WORD, "disaggregated_params": {"first_gen_tokens": [1000]}}]}
@@ -61,14 +58,13 @@ def per_request_us(pieces: list[bytes], requests: int) -> float:
         progress = Progress.for_body({"prompt": "x"}, chat=False)
         progress.take_ctx_answer(ctx, HEAD)
         relay = GenRelay(progress, None, 1, metrics, "/v1/completions", 0.0, False)  # type: ignore[arg-type]
-        attempt, out, splitter = progress.attempt(), [], EventSplitter()
+        attempt, out = progress.attempt(), []
         t0 = time.perf_counter()
-        for piece in pieces:
-            for payload in relay._payloads(splitter.complete(piece), attempt, out, "http://gen"):
-                if not isinstance(payload, bytes) or relay._event(payload, attempt, out, "http://gen") is not None:
-                    raise RuntimeError("the scripted stream broke")
+        for payload in EventSplitter().feed(piece):
+            if relay._event(payload, attempt, out, "http://gen") is not None:
+                raise RuntimeError("the scripted stream broke")
         total += time.perf_counter() - t0
-        if progress.token_ids != list(range(1000, 1000 + sum(p.count(b"\n\n") for p in pieces))):
+        if progress.token_ids != list(range(1000, 1000 + piece.count(b"\n\n"))):
             raise RuntimeError("token ids lost")
     return 1e6 * total / requests
 
@@ -78,14 +74,12 @@ def main() -> int:
     p.add_argument("--events", type=int, default=16)
     p.add_argument("--requests", type=int, default=20000)
     a = p.parse_args()
-    print(f"| gen stream events | upstream pieces | µs per request ({a.events} events) | µs per event |")
-    print("|---|---|---:|---:|")
-    for name, whole in (("merged (token_ids field)", merged_piece(a.events)),
+    print(f"| gen stream events | µs per request ({a.events} events) | µs per event |")
+    print("|---|---:|---:|")
+    for name, piece in (("merged (token_ids field)", merged_piece(a.events)),
                         ("pass-through (relay_head)", passed_piece(a.events))):
-        for how, pieces in (("all in one", [whole]),
-                            ("one per event", [e + b"\n\n" for e in whole.split(b"\n\n") if e])):
-            us = min(per_request_us(pieces, a.requests) for _ in range(3))
-            print(f"| {name} | {how} | {us:.1f} | {us / a.events:.2f} |")
+        us = min(per_request_us(piece, a.requests) for _ in range(3))
+        print(f"| {name} | {us:.1f} | {us / a.events:.2f} |")
     return 0
 
 

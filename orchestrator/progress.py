@@ -269,32 +269,6 @@ class Attempt:
             p.finish_reason = finish
         return True
 
-    def take_run(self, records: list[tuple[int, int, list, str | None]], chunks: list[bool]) -> None:
-        """Merge the records of a run of pass-through events (:func:`orchestrator.pass_through.take_run`)
-        that all go out as written: this stream's text so far is all the client has. ``chunks[i]``:
-        record ``i`` has a chunk (else it must hold no text). Nothing is merged when it raises.
-
-        Raises:
-            ValueError: a record does not continue the text of the one before it."""
-        at, ids, finish = self.text_len, [], None
-        for (start, end, more, fin), chunk in zip(records, chunks):
-            if start != at or end < start or (not chunk and end != start):
-                raise ValueError(f"a record's text at characters {start}..{end} does not follow the stream's {at}")
-            at = end
-            ids += more
-            if fin is not None:
-                finish = fin
-        if ids:
-            self._take_ids(ids)
-            if self.lp is not None:
-                self.lp.pos += len(ids)
-        self.chunks += len(records)
-        self.text_len = at
-        if at > self.p.sent_len:
-            self.p.sent_len = at
-        if finish is not None:
-            self.p.finish_reason = finish
-
     def _parsed(self, event: dict, choice: dict, delta: dict | None, new: str, finish: str | None,
                 lp: dict | None) -> dict | None:
         """:meth:`absorb` for a request whose text is parsed here: the new raw text goes through the

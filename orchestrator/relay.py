@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol import RELAY_LINE, SSE_DONE
 
-from . import jsonio, pass_through
+from . import jsonio
 from .errors import OrchestratorError
 from .h1client import UpstreamError
 from .metrics import Metrics
@@ -184,14 +184,13 @@ class GenRelay:
         url = gs.server.url
         while True:
             out: list[bytes] | None = [] if emit is not None else None
-            for payload in self._payloads(splitter.complete(piece), attempt, out, url):
-                if isinstance(payload, Broken):  # a bad run of pass-through events
-                    await self._emit(emit, out)
-                    return self._broke(gs.server, payload)
+            payloads = splitter.feed(piece)
+            self.events += len(payloads)
+            for payload in payloads:
                 if payload == b"[DONE]":
+                    self.events -= 1
                     self._tail = out or []
                     return None
-                self.events += 1
                 broken = self._event(payload, attempt, out, url)
                 if broken is not None and broken.moved is not None:
                     await self._emit(emit, out)  # what came before the move is the client's
@@ -210,31 +209,6 @@ class GenRelay:
                 done = self.progress.finish_reason is not None
                 return self._broke(gs.server, Broken(f"generation stream from {url} ended without [DONE]", not done))
 
-    def _payloads(self, raw: bytes, attempt: Attempt, out: list[bytes] | None, url: str) -> Iterator[bytes | Broken]:
-        """The payloads of the complete events ``raw`` for :meth:`_event`, except that each run of
-        pass-through events that can go out as written is merged here at once
-        (:func:`orchestrator.pass_through.take_run`: its chunks appended to ``out``); a bad run
-        yields its :class:`Broken`, and nothing after it."""
-        at, n = 0, len(raw)
-        while at < n:
-            end = raw.find(b"\n\n", at)
-            if end + 2 < n and raw.startswith(RELAY_LINE, at):  # a run of one is cheaper event by event
-                try:
-                    run = pass_through.take_run(raw, at, attempt)
-                except ValueError as err:
-                    yield Broken(f"generation stream from {url} sent a bad pass-through event: {err}", migratable=False)
-                    return
-                if run is not None:
-                    at, chunks, events = run
-                    self.events += events
-                    self.passed += events
-                    if chunks and out is not None:
-                        out.append(chunks)
-                    continue
-            event, at = raw[at:end], end + 2
-            if event.strip():
-                yield event[6:] if event.startswith(b"data: ") else event.removeprefix(b"data:")
-
     def _event(self, payload: bytes, attempt: Attempt, out: list[bytes] | None, url: str) -> Broken | None:
         """Merge one event into the request (the client's chunk, if any, appended to ``out`` unless
         None); a :class:`Broken` when it is an error or not JSON."""
@@ -247,18 +221,27 @@ class GenRelay:
         return self._merge(event, attempt, out, url)
 
     def _passed(self, payload: bytes, attempt: Attempt, out: list[bytes] | None, url: str) -> Broken | None:
-        """Merge one pass-through event (:mod:`orchestrator.pass_through`): its chunk goes out as
-        the server wrote it when its text follows the client's; one whose text overlaps what the
-        client has (the first after the ctx server's first token, a migration's replay) is merged
-        as any other event."""
+        """Merge one pass-through event (``disaggregated_params.relay_head``): its record, then its
+        chunk as the server wrote it when the chunk's text follows the client's (the usual case: no
+        JSON is parsed or written); a chunk whose text overlaps what the client has (the first one
+        after the ctx server's first token, or a migration's replay) is merged as any other event.
+        Per event on the hot path: the checks are inlined (:meth:`Attempt.take_record` is the rule)."""
+        nl = payload.find(b"\n")
         try:
-            start, end, ids, finish, data = pass_through.parse(payload)
+            start, end, ids, finish = jsonio.loads(payload[4:nl] if nl >= 0 else payload[4:])
+            if type(start) is not int or type(end) is not int or type(ids) is not list or (
+                    finish is not None and type(finish) is not str):
+                raise ValueError("not [start, end, [token ids], finish_reason]")
+            if nl < 0 and end != start:
+                raise ValueError("a record of text without its chunk")
             if attempt.take_record(start, end, ids, finish):
                 self.passed += 1
-                if data and out is not None:
-                    out.append(data + b"\n\n")
+                if nl >= 0 and out is not None:
+                    out.append(payload[nl + 1:] + b"\n\n")
                 return None
-            event = jsonio.loads(data[6:])
+            if not payload.startswith(b"data: ", nl + 1):
+                raise ValueError("the record is not followed by a data line")
+            event = jsonio.loads(payload[nl + 7:])
             event["choices"][0][TOKEN_IDS_FIELD] = ids
         except (ValueError, TypeError, KeyError, IndexError) as err:
             return Broken(f"generation stream from {url} sent a bad pass-through event: {err}", migratable=False)

@@ -72,26 +72,11 @@ class EventSplitter:
         self._buf = b""
 
     def feed(self, piece: bytes) -> list[bytes]:
-        return payloads(self.complete(piece))
-
-    def complete(self, piece: bytes) -> bytes:
-        """The complete events so far, as they came (each ending with its blank line; b"" for
-        none); the partial one after them waits for the next piece."""
-        data = self._buf + piece if self._buf else piece
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = data
-            return b""
-        self._buf = data[cut + 2:]
-        return data[:cut + 2]
+        data = self._buf + piece
+        *events, self._buf = data.split(b"\n\n")
+        return [e[6:] if e.startswith(b"data: ") else e.removeprefix(b"data:") for e in events if e.strip()]
 
     @property
     def pending(self) -> bool:
         """Whether a partial event is buffered (a stream that ends now was cut mid-event)."""
         return bool(self._buf.strip())
-
-
-def payloads(raw: bytes) -> list[bytes]:
-    """The payloads of the complete events ``raw`` (:meth:`EventSplitter.complete`): the bytes
-    after ``data: `` (an event without that prefix, such as a pass-through record, whole)."""
-    return [e[6:] if e.startswith(b"data: ") else e.removeprefix(b"data:") for e in raw.split(b"\n\n") if e.strip()]

@@ -185,37 +185,3 @@ def test_a_lead_is_not_lost_when_the_stream_fails_at_once():
     writes, relay = client_writes(source, migration_limit=0)
     events = client_events(b"".join(writes))
     assert text_of(events) == " a" and "error" in events[1] and events[-1] == "[DONE]"
-
-
-def test_a_run_of_events_in_one_piece_is_read_at_once_and_stops_at_other_events():
-    usage = b'data: {"id": "x", "created": 1, "model": "m", "choices": [], "usage": {"prompt_tokens": 1, ' \
-            b'"completion_tokens": 5, "total_tokens": 6}}\n\n'
-    run = [passed(" b", 2, [2]), passed("", 4, [3], chunk=False), passed(" cd", 4, [4]), passed(" e", 7, [5]),
-           passed("", 9, [], "length")]
-    body, relay = relay_to_client(Streams([passed(" a", 0, [1]) + b"".join(run) + usage + b"data: [DONE]\n\n"]))
-    events = client_events(body)
-    assert text_of(events) == " a b cd e" and events[-1] == "[DONE]"
-    assert relay.progress.token_ids == [1, 2, 3, 4, 5] and relay.progress.finish_reason == "length"
-    assert relay.progress.usage["completion_tokens"] == 5  # the usage chunk after the run is merged
-    assert (relay.events, relay.passed) == (7, 5)
-    for event in run:
-        if b"\ndata: " in event:
-            assert event[event.index(b"\n") + 1:] in body
-
-
-def test_a_migration_replay_is_merged_event_by_event_until_it_catches_up():
-    broken = [passed(" a", 0, [1]) + passed(" b", 2, [2]) + passed(" c", 4, [3])]
-    target = [passed(" a", 0, [1]) + passed(" b", 2, [2]) + passed(" c", 4, [3]) + passed(" d", 6, [4])
-              + passed(" e", 8, [5]) + passed("", 10, [], "length") + b"data: [DONE]\n\n"]
-    source = Streams(broken, target)
-    body, relay = relay_to_client(source)
-    assert source.migrated_with == [[1, 2, 3]]
-    assert text_of(client_events(body)) == " a b c d e" and relay.progress.token_ids == [1, 2, 3, 4, 5]
-
-
-def test_a_bad_record_inside_a_run_sends_nothing_of_that_run():
-    run = passed(" b", 2, [2]) + RELAY_LINE + b"[4, 6, [3]]\n\n" + passed(" d", 6, [4])
-    body, relay = relay_to_client(Streams([passed(" a", 0, [1]), run, b"data: [DONE]\n\n"]))
-    events = client_events(body)
-    assert text_of(events) == " a" and "pass-through event" in events[-2]["error"]["message"]
-    assert relay.progress.token_ids == [1] and relay.migrations == 0
