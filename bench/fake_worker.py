@@ -6,6 +6,10 @@ It speaks what each router in the overhead experiment asks of a worker:
 
 - plain OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (stream or not): ``max_tokens``
   one-word tokens, then a usage chunk; ``--token-delay-ms`` between streamed tokens (default 0);
+  without a delay, one write per SSE event (``--stream-writes per-event``, the default) or the
+  whole stream and its response head in one write (``--stream-writes one``: the routers then read
+  a stream in one piece, and the fake's own system calls stop weighing on the core it shares
+  with the load generator);
 - pdserve's ``disaggregated_params``: ``context_only`` → a one-token answer with parked-lease
   params (no KV is really parked); ``generation_only`` → the stream (pass-through events when it names
   ``relay_head``, as a pdserve gen server writes them); ``POST /disagg/release``;
@@ -111,7 +115,7 @@ def _prompt_len(body: dict) -> int:
 
 class FakeWorker:
     def __init__(self, role: str, tokenizer_dir: str, token_delay_s: float, trace: int = 0,
-                 ctx_signal: str = "push") -> None:
+                 ctx_signal: str = "push", one_write: bool = False) -> None:
         if ctx_signal not in ("pull", "push"):
             raise ValueError(f"ctx_signal must be pull or push, got {ctx_signal!r}")
         self.role = role
@@ -121,6 +125,7 @@ class FakeWorker:
         self._feeds: ParkedFeeds | None = None  # gen role, push: the subscriptions (made in the serving loop)
         self.tokenizer_dir = tokenizer_dir
         self.token_delay_s = token_delay_s
+        self.one_write = one_write  # a stream without token delay leaves in one write (else one per event)
         self.requests = 0
         self.bootstrapped = 0  # requests that carried sglang's bootstrap_room
         self.phases: dict[str, int] = {}
@@ -334,18 +339,21 @@ class FakeWorker:
         if isinstance(head, dict):  # pass-through events, as a pdserve gen server writes them
             rid, created = head["id"], head["created"]
         events = _token_events(rid, obj, created, chat, n, passed=isinstance(head, dict))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [],
+                     "usage": _usage(n_prompt, n)}
+            events.append(b"data: " + json.dumps(usage).encode() + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        if self.token_delay_s <= 0 and self.one_write:  # all at once: one write (--stream-writes one)
+            await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
+            self.trace.mark(trace_id, "gen_first")
+            return
         for i, event in enumerate(events):
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": event, "more_body": i < len(events) - 1})
             if i == 0:
                 self.trace.mark(trace_id, "gen_first")
             if self.token_delay_s > 0 and i < n - 1:
                 await asyncio.sleep(self.token_delay_s)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            event = {"id": rid, "object": obj, "created": created, "model": MODEL, "choices": [],
-                     "usage": _usage(n_prompt, n)}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 def _token_events(rid: str, obj: str, created: int, chat: bool, n: int, passed: bool = False) -> list[bytes]:
@@ -392,9 +400,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="keep the step times of the last N requests (GET /trace); 0 = off")
     p.add_argument("--ctx-signal", choices=("pull", "push"), default="push",
                    help="how a generation_first gen request waits for the ctx worker (module docstring)")
+    p.add_argument("--stream-writes", choices=("per-event", "one"), default="per-event",
+                   help="a stream without token delay: one write per SSE event (default), or the whole "
+                        "stream with its response head in one write")
     args = p.parse_args(argv)
-    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0, args.trace, args.ctx_signal)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on")
+    one = args.stream_writes == "one"
+    app = FakeWorker(args.role, args.tokenizer_dir, args.token_delay_ms / 1000.0, args.trace, args.ctx_signal,
+                     one_write=one)
+    http: object = "auto"
+    if one:  # the response head leaves with the first body bytes, as the orchestrator sends its own
+        from orchestrator.http_protocol import HeadWithBodyProtocol
+
+        http = HeadWithBodyProtocol
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on",
+                http=http)
 
 
 if __name__ == "__main__":

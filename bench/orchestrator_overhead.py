@@ -197,6 +197,9 @@ def main() -> int:
     p.add_argument("--section", default="overhead", help="the docs/benchmarks.md section (and figure) written")
     p.add_argument("--wrk-seconds", type=int, default=8)
     p.add_argument("--wrk-threads", type=int, default=1)
+    p.add_argument("--fake-stream-writes", choices=("per-event", "one"), default="per-event",
+                   help="how fake worker B writes a stream: one write per SSE event (default, the "
+                        "setup of the issue's table) or all of it in one write (fake_worker.py --stream-writes)")
     p.add_argument("--fake-ctx-signal", choices=("push", "pull"), default="push",
                    help="how the fake gen worker waits for the fake ctx worker in generation_first "
                         "(bench/fake_ctx_feed.py): a pushed line, or the real servers' lease POST")
@@ -213,7 +216,7 @@ def main() -> int:
     calls: dict = {}
     with LoopbackQuickAck() as quickack, Procs(RESULTS / "overhead" / "logs") as procs:
         say(f"loopback quickack: {quickack.state}")
-        urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal))
+        urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal, "--stream-writes", a.fake_stream_writes))
         say(f"targets: {urls}")
         for rep in range(a.repeats):
             for name, url in urls.items():
@@ -287,6 +290,12 @@ def main() -> int:
         "B POSTs A's `/disagg/lease` as the real gen server does (`--fake-ctx-signal pull`; one B → A "
         "round trip on core 0 with the workers and the client, through the orchestrator's pooled HTTP/1.1 "
         "client; the real gen server uses httpx).")
+    writes_note = (
+        "B writes each streamed answer in one write, its response head included (`--fake-stream-writes one`): "
+        "a router reads a stream in one piece, so the numbers are its cost per request, not per SSE chunk."
+        if a.fake_stream_writes == "one" else
+        "B writes each SSE event of a stream in a write of its own, at once (`--fake-stream-writes per-event`, "
+        "the default): how many pieces a router reads per stream depends on how far it lags.")
     body = f"""## {title}
 
 Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
@@ -295,7 +304,7 @@ Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 
 The workers are `bench/fake_worker.py` (raw ASGI on uvicorn, answers at once, no model), so every
 millisecond above *direct* is the router's. Routers pinned to core(s) {a.router_cores}, workers and the load
-generators to core 0.{workers_note} Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
+generators to core 0.{workers_note} {writes_note} Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
 concurrency 1 ({a.latency_prompts} requests per run, Python client); max req/s at concurrency {a.conc}, rate inf,
 with the Python client ({a.throughput_prompts} requests per run) and with `wrk` ({a.wrk_threads} thread,
 {a.conc} keep-alive connections, {a.wrk_seconds} s per run; the Python client is one process that tops out

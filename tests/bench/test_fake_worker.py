@@ -110,3 +110,25 @@ def test_streamed_events_are_each_tokens_chunk(n):
     deltas = [e["choices"][0]["delta"] for e in events]
     assert deltas[0] == {"role": "assistant", "content": WORD} and all(d == {"content": WORD} for d in deltas[1:])
     assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (n - 1) + ["length"]
+
+
+@pytest.mark.parametrize("one_write", [False, True])
+def test_a_stream_is_the_same_events_in_one_write_or_one_per_event(one_write):
+    """--stream-writes one changes how the bytes are written, not which; relay_head gets pass-through events."""
+    b = ThreadServer(FakeWorker("decode", "", 0.0, one_write=one_write)).start()
+    try:
+        plain = httpx.post(b.url + "/v1/completions", timeout=10, json={
+            "model": MODEL, "prompt": "a b", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+        head = {"id": "cmpl-orch", "created": 7}
+        passed = httpx.post(b.url + "/v1/completions", timeout=10, json={
+            "model": MODEL, "prompt": "a b", "max_tokens": 3, "stream": True,
+            "disaggregated_params": {"request_type": "generation_only", "ctx_request_id": "c", "relay_head": head}})
+    finally:
+        b.stop()
+    events = _events(plain.content)
+    assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"]) == WORD * 3
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-1] == "[DONE]"
+    records = [json.loads(line[4:]) for line in passed.content.split(b"\n") if line.startswith(b":pd ")]
+    assert records == [[0, 4, [1000], None], [4, 8, [1001], None], [8, 12, [1002], "length"]]
+    data = [json.loads(line[6:]) for line in passed.content.split(b"\n") if line.startswith(b"data: {")]
+    assert len(data) == 3 and {e["id"] for e in data} == {"cmpl-orch"}
