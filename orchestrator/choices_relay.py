@@ -71,9 +71,6 @@ class ChoiceContinuation:
             return await self._phase.migrate(self._progress)
         return await self._phase.first()
 
-    def ready(self) -> bool:
-        return False  # a continuation's stream is a round trip away
-
     async def migrate(self, progress: Progress) -> GenStream:
         return await self._phase.migrate(progress)
 
@@ -135,10 +132,10 @@ class ChoicesRelay:
         times = [t for t in [self._first.t_last, *(r.t_last for r in self._more)] if t is not None]
         return max(times) if times else None
 
-    async def run(self, emit: Emit | None, lead: bytes | None = None) -> str | None:
-        """Relay until every choice finished (None) or the request failed (the failure's message);
-        ``lead`` as :meth:`GenRelay.run`'s. Raises OrchestratorError: the n-choice stream could not be opened."""
-        failure = await self._first.run(emit, lead)
+    async def run(self, emit: Emit | None) -> str | None:
+        """Relay until every choice finished (None) or the request failed (the failure's message).
+        Raises OrchestratorError: the n-choice stream could not be opened."""
+        failure = await self._first.run(emit)
         if failure is None:
             self.finished = True
             return None
@@ -212,10 +209,6 @@ class ChoicesRelay:
     def take_tail(self) -> list[bytes]:
         """The n-choice stream's last chunks (a continuation writes its own as it ends)."""
         return self._first.take_tail()
-
-    def take_lead(self) -> bytes | None:
-        """:meth:`GenRelay.take_lead` of the n-choice stream."""
-        return self._first.take_lead()
 
     def usage_chunk(self) -> bytes | None:
         """The usage chunk to add at the end: the client wants one and the n-choice stream did not

@@ -92,10 +92,6 @@ class GenAttempt:
         except AttemptFailed as err:
             self._error = err
 
-    def answered(self) -> bool:
-        """Whether the gen stream's first bytes (2xx) are already here: :meth:`response` will not wait."""
-        return self.streamed and self._error is None and self._pending is not None and self._pending.answered()
-
     def failed_early(self) -> bool:
         """Whether the attempt already failed for sure (no connection, or a status other than 2xx
         came): then the dispatch answers as before any byte reached the client."""
@@ -166,9 +162,6 @@ class InFlightSource:
             # to the gen stream's first byte; 0 when that byte came before the answer was read.
             flow._metrics.kv_handoff.observe(max(gen.opened_s - self._t_answer, 0.0))
         return gs
-
-    def ready(self) -> bool:
-        return self._gen.answered()
 
     async def migrate(self, progress: Progress) -> GenStream:
         return await self._phase.migrate(progress)

@@ -428,14 +428,6 @@ class PendingPost:
             return False
         return not 200 <= self._response.status < 300
 
-    def answered(self) -> bool:
-        """Whether a 2xx status line, its headers and body bytes already came (reading the response
-        and its first piece now does not wait), and the deadline did not pass."""
-        fut = self._headers_done
-        if self._expired is not None or not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return False
-        return 200 <= self._response.status < 300 and bool(self._response._chunks)
-
     def close(self) -> None:
         """Idempotent; a no-op once :meth:`response` returned (close the response instead)."""
         if self._handed_out:

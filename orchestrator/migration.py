@@ -69,9 +69,6 @@ class GenPhase:
             self.first_stream = await self._open_leased()
         return self.first_stream
 
-    def ready(self) -> bool:
-        return False  # its first stream is requested by first(): a round trip away
-
     async def migrate(self, progress: Progress) -> GenStream:
         settings = self._flow._settings
         deadline = time.monotonic() + settings.migration_wait_s

@@ -63,9 +63,6 @@ class GenSource(Protocol):
     async def first(self) -> GenStream:
         """The first gen stream. Raises OrchestratorError (every attempt failed, or a 4xx)."""
 
-    def ready(self) -> bool:
-        """Whether :meth:`first` will not wait: the first stream's first bytes are already here
-        (generation_first: requested with the ctx request)."""
 
     async def migrate(self, progress: Progress) -> GenStream:
         """A new gen stream continuing from ``progress.token_ids``. Raises OrchestratorError."""
@@ -122,18 +119,13 @@ class GenRelay:
         self.passed = 0  # ... of which pass-through events relayed as the server wrote them
         self.t_last: float | None = None
         self._tail: list[bytes] = []  # client chunks that came in the piece holding [DONE] (take_tail)
-        self._lead: bytes | None = None  # run()'s lead, until the first write takes it
 
-    async def run(self, emit: Emit | None, lead: bytes | None = None) -> str | None:
+    async def run(self, emit: Emit | None) -> str | None:
         """Relay until the request finishes (None) or fails for good (the failure's message).
-        ``lead``: bytes for the client that leave with the first piece's chunks, in one write (the
-        first token, when the source is :meth:`GenSource.ready`); :meth:`take_tail` hands them out
-        if no piece came.
 
         Raises:
             OrchestratorError: no gen stream could be opened (first or migration target).
         """
-        self._lead = lead
         try:
             return await self._run(emit)
         finally:
@@ -268,23 +260,13 @@ class GenRelay:
         return None
 
     async def _emit(self, emit: Emit | None, out: list[bytes] | None) -> None:
-        """Write ``out`` (the client's chunks of one upstream piece, after the lead if it is still
-        there) in one body message."""
-        if emit is None or not (out or self._lead is not None):
-            return
-        assert out is not None
-        if self._lead is not None:
-            out.insert(0, self.take_lead())
-            await emit(b"".join(out))
-            self._sent(len(out) - 1)
-        else:
+        """Write ``out`` (the client's chunks of one upstream piece) in one body message."""
+        if out and emit is not None:
             await emit(out[0] if len(out) == 1 else b"".join(out))
             self._sent(len(out))
 
     def _sent(self, n: int) -> None:
         """Count ``n`` chunks written at once (ITL: the gap before the first, 0 between the rest)."""
-        if n <= 0:
-            return
         now = time.monotonic()
         if self.t_last is not None:
             self._itl.observe(now - self.t_last)
@@ -301,17 +283,12 @@ class GenRelay:
         return broken
 
     def take_tail(self) -> list[bytes]:
-        """The client chunks that arrived with the final ``[DONE]`` (counted as sent now), after the
-        lead if no write took it: the caller writes them with the stream's last body message."""
+        """The client chunks that arrived with the final ``[DONE]`` (counted as sent now): the
+        caller writes them with the stream's last body message."""
         tail, self._tail = self._tail, []
-        self._sent(len(tail))
-        lead = self.take_lead()
-        return tail if lead is None else [lead, *tail]
-
-    def take_lead(self) -> bytes | None:
-        """:meth:`run`'s lead if no write took it yet (then the caller writes it), else None."""
-        lead, self._lead = self._lead, None
-        return lead
+        if tail:
+            self._sent(len(tail))
+        return tail
 
     def usage_chunk(self) -> bytes | None:
         """The usage chunk to add at the end, when the client wants one and no gen stream sent it."""
@@ -351,34 +328,28 @@ class StreamAnswer:
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
-            lead = None
             if self._first is not None:
-                if self._source.ready():  # the gen stream's first bytes are here too: one write for both
-                    lead = self._first
-                else:
-                    await emit(self._first)
-            await self._relay_to(emit, send, lead)
+                await emit(self._first)
+            await self._relay_to(emit, send)
             self._observe_tpot()
         finally:
             self.close()
 
-    async def _relay_to(self, emit: Emit, send: Send, lead: bytes | None) -> None:
+    async def _relay_to(self, emit: Emit, send: Send) -> None:
         try:
-            failure = await self._relay.run(emit, lead)
+            failure = await self._relay.run(emit)
         except OrchestratorError as err:
             failure, type_, code = err.message, err.type_, err.status
         else:
             type_, code = "upstream_error", 502
         if failure is None:
             usage = self._relay.usage_chunk()
-            pending = self._relay.take_tail()  # the last chunks (and the lead, if unsent): they leave with [DONE]
+            pending = self._relay.take_tail()  # the last chunks: they leave with [DONE]
+            if pending:
+                self._first_byte()
             tail = pending + ([usage] if usage else []) + [SSE_DONE]
         else:
-            unsent = self._relay.take_lead()
-            pending = [unsent] if unsent else []
-            tail = pending + error_events(failure, type_, code)
-        if pending:
-            self._first_byte()
+            tail = error_events(failure, type_, code)
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
 
     def _observe_tpot(self) -> None:

@@ -39,7 +39,6 @@ class Streams:
                         for i, s in enumerate(scripts)]
         self.migrated_with: list[list[int]] = []
         self.abandoned = False
-        self.ready_now = False  # GenSource.ready: the first stream's bytes are here
 
     async def first(self) -> GenStream:
         return self._next()
@@ -52,9 +51,6 @@ class Streams:
         gs = self.streams[len(self.migrated_with)]
         gs.server.in_flight = 1
         return gs
-
-    def ready(self) -> bool:
-        return self.ready_now
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -158,30 +154,3 @@ def test_the_relay_counts_passed_and_merged_events():
     text = relay._metrics.registry.get_sample_value
     assert text("pdserve_orchestrator_relayed_events_total", {"how": "passed"}) == 2
     assert text("pdserve_orchestrator_relayed_events_total", {"how": "merged"}) == 1
-
-
-def test_the_first_token_leaves_with_gen_bytes_already_here_in_one_write():
-    script = [passed(" a", 0, [1]) + passed(" b", 2, [2]), passed("", 4, [], "length") + b"data: [DONE]\n\n"]
-    source = Streams(script)
-    source.ready_now = True
-    writes, relay = client_writes(source)
-    assert len(writes) == 2 and text_of(client_events(writes[0])) == " a b"  # first token + the piece
-    assert writes[1].endswith(b"data: [DONE]\n\n") and relay.chunks_sent == 2  # " b" and the finish chunk
-    source = Streams(script)  # not ready: the first token goes at once, alone
-    writes, _ = client_writes(source)
-    assert len(writes) == 3 and text_of(client_events(writes[0])) == " a"
-
-
-def test_a_lead_whose_piece_holds_done_leaves_with_the_last_write():
-    source = Streams([passed(" a", 0, [1]) + passed(" b", 2, [2], "length") + b"data: [DONE]\n\n"])
-    source.ready_now = True
-    writes, relay = client_writes(source)
-    assert len(writes) == 1 and text_of(client_events(writes[0])) == " a b" and relay.finished
-
-
-def test_a_lead_is_not_lost_when_the_stream_fails_at_once():
-    source = Streams([b'data: {"error": {"message": "bad", "type": "invalid_request_error", "code": 400}}\n\n'])
-    source.ready_now = True
-    writes, relay = client_writes(source, migration_limit=0)
-    events = client_events(b"".join(writes))
-    assert text_of(events) == " a" and "error" in events[1] and events[-1] == "[DONE]"

@@ -44,16 +44,12 @@ class OneStream:
         server.in_flight = 1  # what open_gen_stream counted; the relay drops it
         self.gs = GenStream(server, ScriptedStream(pieces))
         self.abandoned = False
-        self.ready_now = False  # GenSource.ready: the first stream's bytes are here
 
     async def first(self) -> GenStream:
         return self.gs
 
     async def migrate(self, progress):
         raise AssertionError("no migration expected")
-
-    def ready(self) -> bool:
-        return self.ready_now
 
     def abandon(self) -> None:
         self.abandoned = True
