@@ -200,6 +200,9 @@ def main() -> int:
     p.add_argument("--fake-stream-writes", choices=("per-event", "one"), default="per-event",
                    help="how fake worker B writes a stream: one write per SSE event (default, the "
                         "setup of the issue's table) or all of it in one write (fake_worker.py --stream-writes)")
+    p.add_argument("--fake-token-delay-ms", type=float, default=0.0,
+                   help="fake worker B waits this long between streamed tokens (default 0: answers at once); "
+                        "with a delay each token reaches the router on its own, as from a decoding server")
     p.add_argument("--fake-ctx-signal", choices=("push", "pull"), default="push",
                    help="how the fake gen worker waits for the fake ctx worker in generation_first "
                         "(bench/fake_ctx_feed.py): a pushed line, or the real servers' lease POST")
@@ -216,7 +219,8 @@ def main() -> int:
     calls: dict = {}
     with LoopbackQuickAck() as quickack, Procs(RESULTS / "overhead" / "logs") as procs:
         say(f"loopback quickack: {quickack.state}")
-        urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal, "--stream-writes", a.fake_stream_writes))
+        urls = start(procs, a, ("--ctx-signal", a.fake_ctx_signal, "--stream-writes", a.fake_stream_writes,
+                                "--token-delay-ms", str(a.fake_token_delay_ms)))
         say(f"targets: {urls}")
         for rep in range(a.repeats):
             for name, url in urls.items():
@@ -290,6 +294,10 @@ def main() -> int:
         "B POSTs A's `/disagg/lease` as the real gen server does (`--fake-ctx-signal pull`; one B → A "
         "round trip on core 0 with the workers and the client, through the orchestrator's pooled HTTP/1.1 "
         "client; the real gen server uses httpx).")
+    delay_note = "" if not a.fake_token_delay_ms else (
+        f" B waits {a.fake_token_delay_ms:g} ms between streamed tokens (`--fake-token-delay-ms`): each token "
+        "reaches a router on its own, as from a decoding server, so latencies hold that wait and the "
+        "routers' CPU per request is mostly their cost per streamed chunk.")
     writes_note = (
         "B writes each streamed answer in one write, its response head included (`--fake-stream-writes one`): "
         "a router reads a stream in one piece, so the numbers are its cost per request, not per SSE chunk."
@@ -304,7 +312,7 @@ Command (took {(time.monotonic() - t0) / 60:.1f} min): `{cmd}`
 
 The workers are `bench/fake_worker.py` (raw ASGI on uvicorn, answers at once, no model), so every
 millisecond above *direct* is the router's. Routers pinned to core(s) {a.router_cores}, workers and the load
-generators to core 0.{workers_note} {writes_note} Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
+generators to core 0.{workers_note} {writes_note}{delay_note} Requests: 32-word text prompts (sglang-router rejects token-id prompts on /v1/completions), 16 streamed output tokens. Latency at
 concurrency 1 ({a.latency_prompts} requests per run, Python client); max req/s at concurrency {a.conc}, rate inf,
 with the Python client ({a.throughput_prompts} requests per run) and with `wrk` ({a.wrk_threads} thread,
 {a.conc} keep-alive connections, {a.wrk_seconds} s per run; the Python client is one process that tops out
