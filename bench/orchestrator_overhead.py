@@ -284,6 +284,8 @@ def main() -> int:
         f"core(s) {a.router_cores} (taskset is inherited).")
     title = "Orchestrator overhead: direct vs pdserve orchestrator" + (
         " vs sglang-router (PD mode)" if any(n.startswith("sglang") for n in lat) else "") + (
+        ", each stream in one write" if a.fake_stream_writes == "one" else "") + (
+        f", {a.fake_token_delay_ms:g} ms between tokens" if a.fake_token_delay_ms else "") + (
         "" if a.pdserve_workers == "1" else f", orchestrator.num_workers {a.pdserve_workers}, routers on core(s) "
         f"{a.router_cores}")
     signal_note = (
