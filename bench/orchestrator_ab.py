@@ -20,6 +20,11 @@ a machine that other jobs may share. Per orchestrator and repeat:
 Prints medians over the repeats, per target, with the 1-min load average at start and end: CPU
 per request is the number a loaded machine changes least; latencies under load are rough.
 
+``--together`` (wrk only): per router and style, base and this checkout are driven at the same
+time by one wrk each (both orchestrators on core 1, both wrks on core 0), so both see the same
+instants and share of the machine; prints req/s and CPU, user and system µs per request.
+``--max-tokens`` sets the streamed tokens per wrk request (default 16).
+
 ``--paired`` (c1 only, no wrk): each prompt goes to base and to this checkout back to back
 (alternating which first), so a load that drifts between runs cancels out of the per-prompt
 differences; prints both sides' medians and the median difference (this - base, ms).
@@ -28,9 +33,11 @@ differences; prints both sides' medians and the median difference (this - base, 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -127,8 +134,11 @@ def main() -> int:
     p.add_argument("--wrk-seconds", type=int, default=4)
     p.add_argument("--paired", action="store_true",
                    help="c1 only: each prompt to base and this back to back; medians of the differences")
+    p.add_argument("--together", action="store_true",
+                   help="wrk only: base and this driven at the same time, one wrk each (module docstring)")
+    p.add_argument("--max-tokens", type=int, default=16, help="streamed tokens per wrk request (default 16)")
     a = p.parse_args()
-    ns = argparse.Namespace(conc=32, wrk_threads=1, wrk_seconds=a.wrk_seconds)
+    ns = argparse.Namespace(conc=32, wrk_threads=1, wrk_seconds=a.wrk_seconds, max_tokens=a.max_tokens)
     tok_dir = RESULTS / "overhead" / "tokenizer"
     load0 = loadavg()
     results: dict[str, list[dict]] = {}
@@ -142,6 +152,8 @@ def main() -> int:
             c1_run(url, pid, 20, 99)  # warm up (kv_cache_aware loads its tokenizer on the first request)
         if a.paired:
             return _report_paired(targets, a, load0)
+        if a.together:
+            return _report_together(targets, a, ns, load0)
         for rep in range(a.repeats):
             for name, (url, pid) in targets.items():
                 row = c1_run(url, pid, a.requests, rep)
@@ -156,6 +168,48 @@ def main() -> int:
         m = {k: median([r[k] for r in rows]) for k in rows[0]}
         print(f"| {name} | {m['ttft_ms']:.2f} | {m['e2el_ms']:.2f} | {m['cpu_us']:.0f} | {m['wrk_rps']:.0f} | "
               f"{m['wrk_cpu_us']:.0f} |")
+    return 0
+
+
+def user_sys_s(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of ``pid`` so far (``/proc/PID/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _report_together(targets: dict[str, tuple], a: argparse.Namespace, ns: argparse.Namespace, load0: float) -> int:
+    """``--together``: per router and style, one wrk against base and one against this at the same
+    time (both on core 0, both orchestrators on core 1): each sees the same instants of the machine
+    and the same share of the core, so their CPU per request compares without the drift between
+    runs that the sequential A/B has. Prints medians of req/s, CPU, user and system µs per request."""
+    pairs = [(name.removeprefix("base "), name, "this" + name.removeprefix("base"))
+             for name in targets if name.startswith("base ")]
+    rows: dict[str, list[tuple[float, ...]]] = {}
+    for rep in range(a.repeats):
+        for _, *names in pairs:
+            before = {n: user_sys_s(targets[n][1]) for n in names}
+            out: dict[str, dict] = {}
+            runs = [threading.Thread(target=lambda n=n: out.__setitem__(n, oo.run_wrk(targets[n][0], ns, rep,
+                                                                                     targets[n][1])))
+                    for n in names]
+            for t in runs:
+                t.start()
+            for t in runs:
+                t.join(a.wrk_seconds + 120)
+            for n in names:
+                (u0, s0), (u1, s1), w = before[n], user_sys_s(targets[n][1]), out[n]
+                done = max(w["requests"], 1)
+                rows.setdefault(n, []).append((w["request_throughput"], w["cpu_us_per_request"],
+                                               1e6 * (u1 - u0) / done, 1e6 * (s1 - s0) / done))
+        say(f"repeat {rep} done, 1-min load average {loadavg():.1f}")
+    say(f"1-min load average {load0:.1f} -> {loadavg():.1f}; medians of {a.repeats} repeats, base and this "
+        f"driven together ({ns.conc} connections each, {a.max_tokens} tokens per request)")
+    print("| orchestrator | wrk req/s | CPU µs/req | user µs/req | system µs/req |")
+    print("|---|---:|---:|---:|---:|")
+    for name, rs in rows.items():
+        m = [median([r[i] for r in rs]) for i in range(4)]
+        print(f"| {name} | {m[0]:.0f} | {m[1]:.0f} | {m[2]:.0f} | {m[3]:.0f} |")
     return 0
 
 

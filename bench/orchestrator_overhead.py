@@ -146,13 +146,13 @@ def cpu_flags() -> str:
     return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none of avx2/avx512"
 
 
-def wrk_script(path: Path, seed: int) -> Path:
+def wrk_script(path: Path, seed: int, max_tokens: int = 16) -> Path:
     """A wrk Lua script POSTing one streamed 32-word completion (the latency runs' shape)."""
     import random
 
     rng = random.Random(seed)
     words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"]) for _ in range(32))
-    body = json.dumps({"model": "fake-model", "prompt": words, "max_tokens": 16, "stream": True})
+    body = json.dumps({"model": "fake-model", "prompt": words, "max_tokens": max_tokens, "stream": True})
     path.write_text(f"wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\n"
                     f"wrk.body = [[{body}]]\n")
     return path
@@ -162,7 +162,8 @@ def run_wrk(url: str, a: argparse.Namespace, seed: int, router_pid: int | None =
     """Max req/s of ``url`` + ``/v1/completions`` with wrk pinned to core 0, and (``router_pid``) the
     router's CPU per request over the run: CPU seconds of its process tree / requests wrk completed
     (``cpu_us_per_request``; load-independent, unlike req/s). Raises on errors."""
-    script = wrk_script(RESULTS / "overhead" / "wrk.lua", seed)
+    port = url.rsplit(":", 1)[-1].strip("/")  # one script per target: runs may overlap (orchestrator_ab --together)
+    script = wrk_script(RESULTS / "overhead" / f"wrk-{port}.lua", seed, getattr(a, "max_tokens", 16))
     cmd = ["taskset", "-c", "0", "wrk", "-t", str(a.wrk_threads), "-c", str(a.conc), "-d", f"{a.wrk_seconds}s",
            "--timeout", "10s", "-s", str(script), url + "/v1/completions"]
     cpu0 = tree_cpu_s(router_pid) if router_pid else 0.0

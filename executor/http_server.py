@@ -432,8 +432,8 @@ class _Run:
                 choice.pop("disaggregated_params", None)
         return JSONResponse(data)
 
-    async def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False,
-                  answer: PhaseAnswer | None = None) -> AsyncIterator[bytes]:
+    def sse(self, first: RequestOutput, include_usage: bool, token_ids: bool = False,
+            answer: PhaseAnswer | None = None) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the first byte becomes an error event, then [DONE].
 
         ``token_ids``: every output with new tokens becomes a chunk (also one whose text is held
@@ -447,79 +447,92 @@ class _Run:
         ends with ``{"moved": {"handed_back": true}}`` (pdserve.protocol.HANDED_BACK_EVENT): no KV
         is parked; the orchestrator continues each choice by prefilling again."""
         enc = ChunkEncoder(self.chat, self.id, self.created, self.model)
-        shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
-        try:
-            out = first
-            while out is not None:
-                if out.finish_reason == "moved":  # n > 1: one moved output per choice, the last one finished
-                    if out.finished:
-                        yield self._moved_event(answer)
-                        yield SSE_DONE
-                        return
-                    out = await self.next()
-                    continue
-                if out.finish_reason == HANDED_BACK:  # n > 1 on a move_kv drain: each choice goes on elsewhere
-                    if out.finished:
-                        yield sse_event(HANDED_BACK_EVENT)
-                        yield SSE_DONE
-                        return
-                    out = await self.next()
-                    continue
-                is_first = out.index not in offsets
-                parsed = self._parsed(out)
-                if ((parsed if parsed is not None else out.new_text) or out.finished or out.finish_reason is not None
-                        or is_first or (token_ids and out.new_token_ids)
-                        or (shape.logprobs is not None and out.new_logprobs)):
-                    text = (shape.echo or "") + out.new_text if is_first else out.new_text
-                    lp, offsets[out.index] = self._chunk_logprobs(out, is_first, offsets.get(out.index, 0))
-                    usage = self.choices.usage() if shape.continuous_usage else None
-                    finish = out.finish_reason  # n > 1: this choice's, also before the request's last output
-                    if parsed is not None and finish is not None:
-                        finish = shape.parser_of(out.index).finish_reason(finish)
-                    yield enc.event(text, finish, role=is_first, logprobs=lp, usage=usage,
-                                    token_ids=list(out.new_token_ids) if token_ids else None, index=out.index,
-                                    delta=None if parsed is None else parsed.to_openai())
-                if out.finished:
-                    break
-                out = await self.next()
-            if include_usage:
-                yield enc.usage_event(self.choices.usage())
-        except ApiError as err:
-            yield sse_event(error_body(err.message, err.type, err.code or err.status))
-        finally:
-            await self.outputs.aclose()
-        yield SSE_DONE
+        return self._framed(self._chunks(enc, first, token_ids, answer), enc, include_usage)
 
-    async def relay_sse(self, first: RequestOutput, include_usage: bool, head: RelayHead,
-                        answer: PhaseAnswer | None = None) -> AsyncIterator[bytes]:
+    def relay_sse(self, first: RequestOutput, include_usage: bool, head: RelayHead,
+                  answer: PhaseAnswer | None = None) -> AsyncIterator[bytes]:
         """:meth:`sse` as pass-through events (``disaggregated_params.relay_head``, one choice): each
         output with text, token ids or a finish reason becomes :meth:`ChunkEncoder.relay_event` (the
         chunk as the client gets it: ``head``'s id and created, no role), its record holding the text's
         character offsets in the output text; the usage chunk, a ``moved`` event and an error event
         are written as :meth:`sse` writes them, without a record."""
         enc = ChunkEncoder(self.chat, head.id, head.created, self.model)
-        chars = 0  # characters of output text before the next output's
+        return self._framed(self._relay_chunks(enc, first, answer), enc, include_usage)
+
+    async def _framed(self, chunks: AsyncIterator[bytes], enc: ChunkEncoder,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """``chunks``, then the usage chunk (``include_usage``) and ``[DONE]``; ``chunks`` that end
+        with their own ``[DONE]`` (a moved or handed-back stream) end the stream there; an
+        :class:`ApiError` becomes an error event. The engine outputs are closed on every way out."""
         try:
-            out = first
-            while out is not None:
-                if out.finish_reason == "moved":
-                    if out.finished:
-                        yield self._moved_event(answer)
-                        yield SSE_DONE
-                        return
-                elif out.new_text or out.new_token_ids or out.finish_reason is not None or out.finished:
-                    yield enc.relay_event(out.new_text, out.finish_reason, chars, list(out.new_token_ids))
-                    chars += len(out.new_text)
-                if out.finished:
-                    break
-                out = await self.next()
+            async for event in chunks:
+                yield event
+                if event is SSE_DONE:
+                    return
             if include_usage:
                 yield enc.usage_event(self.choices.usage())
         except ApiError as err:
             yield sse_event(error_body(err.message, err.type, err.code or err.status))
         finally:
+            await chunks.aclose()  # suspended at a yield when the stream ends early (moved, client gone)
             await self.outputs.aclose()
         yield SSE_DONE
+
+    async def _chunks(self, enc: ChunkEncoder, first: RequestOutput, token_ids: bool,
+                      answer: PhaseAnswer | None) -> AsyncIterator[bytes]:
+        """:meth:`sse`'s chunks, one per output that says something (see there)."""
+        shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
+        out: RequestOutput | None = first
+        while out is not None:
+            if out.finish_reason == "moved":  # n > 1: one moved output per choice, the last one finished
+                if out.finished:
+                    yield self._moved_event(answer)
+                    yield SSE_DONE
+                    return
+                out = await self.next()
+                continue
+            if out.finish_reason == HANDED_BACK:  # n > 1 on a move_kv drain: each choice goes on elsewhere
+                if out.finished:
+                    yield sse_event(HANDED_BACK_EVENT)
+                    yield SSE_DONE
+                    return
+                out = await self.next()
+                continue
+            is_first = out.index not in offsets
+            parsed = self._parsed(out)
+            if ((parsed if parsed is not None else out.new_text) or out.finished or out.finish_reason is not None
+                    or is_first or (token_ids and out.new_token_ids)
+                    or (shape.logprobs is not None and out.new_logprobs)):
+                text = (shape.echo or "") + out.new_text if is_first else out.new_text
+                lp, offsets[out.index] = self._chunk_logprobs(out, is_first, offsets.get(out.index, 0))
+                usage = self.choices.usage() if shape.continuous_usage else None
+                finish = out.finish_reason  # n > 1: this choice's, also before the request's last output
+                if parsed is not None and finish is not None:
+                    finish = shape.parser_of(out.index).finish_reason(finish)
+                yield enc.event(text, finish, role=is_first, logprobs=lp, usage=usage,
+                                token_ids=list(out.new_token_ids) if token_ids else None, index=out.index,
+                                delta=None if parsed is None else parsed.to_openai())
+            if out.finished:
+                return
+            out = await self.next()
+
+    async def _relay_chunks(self, enc: ChunkEncoder, first: RequestOutput,
+                            answer: PhaseAnswer | None) -> AsyncIterator[bytes]:
+        """:meth:`relay_sse`'s events (see there)."""
+        chars = 0  # characters of output text before the next output's
+        out: RequestOutput | None = first
+        while out is not None:
+            if out.finish_reason == "moved":
+                if out.finished:
+                    yield self._moved_event(answer)
+                    yield SSE_DONE
+                    return
+            elif out.new_text or out.new_token_ids or out.finish_reason is not None or out.finished:
+                yield enc.relay_event(out.new_text, out.finish_reason, chars, list(out.new_token_ids))
+                chars += len(out.new_text)
+            if out.finished:
+                return
+            out = await self.next()
 
     @staticmethod
     def _moved_event(answer: PhaseAnswer | None) -> bytes:
