@@ -10,6 +10,10 @@ server's first token goes out at once, then the relay's chunks, then ``[DONE]``;
 an error event (never a hang). A non-streaming request runs the same relay without a client
 stream (``emit=None``) and answers the assembled JSON (:mod:`orchestrator.disagg`).
 
+A pass-through stream (``disaggregated_params.relay_head``: a client's disaggregated stream of one
+choice) carries a ``:pd`` record before each chunk (:data:`pdserve.protocol.RELAY_LINE`); a chunk
+whose text follows the client's is forwarded as the server wrote it, unparsed (:meth:`GenRelay._passed`).
+
 A gen server that drains with ``move_kv`` ends a movable stream with a ``moved`` event (the
 request's KV parked there under a lease); the relay then asks its source to :meth:`GenSource.move`
 the request: another gen server pulls that KV and decodes on from the next token. A move is not a
@@ -62,7 +66,6 @@ class GenSource(Protocol):
 
     async def first(self) -> GenStream:
         """The first gen stream. Raises OrchestratorError (every attempt failed, or a 4xx)."""
-
 
     async def migrate(self, progress: Progress) -> GenStream:
         """A new gen stream continuing from ``progress.token_ids``. Raises OrchestratorError."""
