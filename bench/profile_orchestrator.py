@@ -1,6 +1,7 @@
 """Where the orchestrator's CPU goes under load: py-spy samples it while wrk drives it.
 
-    .venv/bin/python bench/profile_orchestrator.py [--router round_robin] [--style context_first] [--seconds 15]
+    .venv/bin/python bench/profile_orchestrator.py [--router round_robin] [--style context_first] [--seconds 15] \
+        [--fake-stream-writes per-event|one]
 
 Same setup as ``bench/orchestrator_overhead.py`` (fake workers and wrk on core 0, the orchestrator
 on core 1, 32 keep-alive connections, streamed 16-token completions). py-spy (``pip install
@@ -85,6 +86,8 @@ def main() -> int:
     p.add_argument("--seconds", type=int, default=15)
     p.add_argument("--conc", type=int, default=32)
     p.add_argument("--style", default="context_first", choices=("context_first", "generation_first"))
+    p.add_argument("--fake-stream-writes", choices=("per-event", "one"), default="per-event",
+                   help="how fake worker B writes a stream (bench/fake_worker.py --stream-writes)")
     a = p.parse_args()
     ns = argparse.Namespace(sglang_python=None, pdserve_routers=a.router, conc=a.conc, wrk_threads=1,
                             wrk_seconds=a.seconds + 2, pdserve_workers="1", styles=a.style, router_cores="1")
@@ -95,7 +98,7 @@ def main() -> int:
         py_spy = shutil.which("py-spy") or py_spy
     name = f"pdserve {a.router}" + (" gen-first" if a.style == "generation_first" else "")
     with Procs(RESULTS / "overhead" / "logs") as procs:
-        urls = oo.start(procs, ns)
+        urls = oo.start(procs, ns, ("--stream-writes", a.fake_stream_writes))
         warm_up(urls[name])
         pid = procs.procs[name].pid
         load = loadavg()
