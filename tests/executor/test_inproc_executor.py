@@ -48,14 +48,22 @@ def test_generate_abort_and_dead_state(engine):
                 break
         assert ex.stats()["free_blocks"] == free0
         # A failing step makes the engine dead for good: pending and new requests fail at once.
-        pending = asyncio.create_task(collect(ex, req("c", 10_000)))
-        await asyncio.sleep(0.1)
+        # In flight (its first output came) when the step breaks; a fixed sleep here let a fast run
+        # finish the request first (flaky: "DID NOT RAISE").
+        running = ex.generate(req("c", 10_000))
+        assert isinstance(await running.__anext__(), RequestOutput)
+
+        async def rest() -> None:
+            async for _ in running:
+                pass
+
         original = engine.step
 
         def broken_step():
             raise RuntimeError("simulated kernel failure")
 
         engine.step = broken_step
+        pending = asyncio.create_task(rest())
         try:
             with pytest.raises(EngineDeadError, match="simulated kernel failure"):
                 await asyncio.wait_for(pending, 2.0)
