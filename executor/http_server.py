@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -459,7 +459,7 @@ class _Run:
         enc = ChunkEncoder(self.chat, head.id, head.created, self.model)
         return self._framed(self._relay_chunks(enc, first, answer), enc, include_usage)
 
-    async def _framed(self, chunks: AsyncIterator[bytes], enc: ChunkEncoder,
+    async def _framed(self, chunks: AsyncGenerator[bytes, None], enc: ChunkEncoder,
                       include_usage: bool) -> AsyncIterator[bytes]:
         """``chunks``, then the usage chunk (``include_usage``) and ``[DONE]``; ``chunks`` that end
         with their own ``[DONE]`` (a moved or handed-back stream) end the stream there; an
@@ -479,7 +479,7 @@ class _Run:
         yield SSE_DONE
 
     async def _chunks(self, enc: ChunkEncoder, first: RequestOutput, token_ids: bool,
-                      answer: PhaseAnswer | None) -> AsyncIterator[bytes]:
+                      answer: PhaseAnswer | None) -> AsyncGenerator[bytes, None]:
         """:meth:`sse`'s chunks, one per output that says something (see there)."""
         shape, offsets = self.shape, {}  # choice index -> completions text offset (its first chunk: absent)
         out: RequestOutput | None = first
@@ -517,7 +517,7 @@ class _Run:
             out = await self.next()
 
     async def _relay_chunks(self, enc: ChunkEncoder, first: RequestOutput,
-                            answer: PhaseAnswer | None) -> AsyncIterator[bytes]:
+                            answer: PhaseAnswer | None) -> AsyncGenerator[bytes, None]:
         """:meth:`relay_sse`'s events (see there)."""
         chars = 0  # characters of output text before the next output's
         out: RequestOutput | None = first

@@ -511,8 +511,9 @@ class DisaggFlow:
 def relay_head(ex: Exchange) -> dict | None:
     """The ``id`` and ``created`` (unix seconds) of ``ex``'s chunks when its gen streams may pass
     through as bytes (:meth:`orchestrator.relay.GenRelay._passed`): a client's stream of one choice
-    whose text is not parsed here. None otherwise. The id is the disagg request id's random part
-    (OpenAI's ``cmpl-``/``chatcmpl-`` prefix), so a stream keeps one id across servers."""
+    whose text is not parsed here. None otherwise. The id is the disagg request id without its
+    ``disagg-`` prefix (per-process random bits and a counter) behind OpenAI's ``cmpl-``/``chatcmpl-``,
+    so a stream keeps one id across servers."""
     if not ex.stream or ex.parses or num_choices(ex.body) > 1:
         return None
     return {"id": f"{'chatcmpl' if ex.chat else 'cmpl'}-{ex.disagg_request_id.removeprefix('disagg-')}",

@@ -223,7 +223,7 @@ class GenRelay:
         Per event on the hot path: the checks are inlined (:meth:`Attempt.take_record` is the rule)."""
         nl = payload.find(b"\n")
         try:
-            start, end, ids, finish = jsonio.loads(payload[4:nl] if nl >= 0 else payload[4:])
+            start, end, ids, finish = jsonio.loads(payload[len(RELAY_LINE):nl] if nl >= 0 else payload[len(RELAY_LINE):])
             if type(start) is not int or type(end) is not int or type(ids) is not list or (
                     finish is not None and type(finish) is not str):
                 raise ValueError("not [start, end, [token ids], finish_reason]")
